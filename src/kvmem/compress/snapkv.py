@@ -1,0 +1,28 @@
+"""`snapkv`: observation-window attention, pooled.
+
+Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation" (arXiv 2404.14469):
+the attention of the last `window` prompt tokens (the observation window) over the prefix predicts
+which tokens generation will attend to. Votes are summed over the window, smoothed with a 1-D max
+pool (kernel 7) so neighbours of a selected token come along, and the window itself is always kept.
+With GQA, votes are averaged over the query heads that share a KV head.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvmem.compress.base import HeadView, Method
+
+
+class SnapKV(Method):
+    name = "snapkv"
+    observe_window = 32
+
+    def __init__(self, window: int = 32, kernel_size: int = 7):
+        self.window, self.kernel_size = window, kernel_size
+
+    def score(self, head: HeadView) -> Tensor:
+        votes = head.query_attention(last=self.window).sum(dim=1).mean(dim=0)  # (T,)
+        pooled = F.max_pool1d(votes[None, None], self.kernel_size, stride=1, padding=self.kernel_size // 2)[0, 0]
+        in_window = head.positions >= head.query_positions[-self.window:].min()
+        return torch.where(in_window, torch.tensor(float("inf")), pooled)

@@ -1,0 +1,1 @@
+"""Evaluation: long-context benchmark tasks and scoring."""

