@@ -1,0 +1,159 @@
+"""The `kvmem` command line: demo, generate, eval, models."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvmem.errors import KVMemError
+
+app = typer.Typer(
+    help="kvmem: make the KV cache of transformer LLMs small, reusable and useful.\n\n"
+    "Start with `kvmem demo`. Compression strength is always the keep ratio: the fraction of the KV cache kept.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+
+
+def clean_errors(fn):
+    """Bad input ends in one line naming the problem, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (KVMemError, FileNotFoundError, IsADirectoryError) as e:
+            console.print(f"[red]error:[/red] {e}", highlight=False)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _csv(value: str, kind=str) -> list:
+    try:
+        return [kind(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise KVMemError(f"cannot read {value!r} as a comma-separated list of {kind.__name__}") from None
+
+
+@app.command()
+@clean_errors
+def demo(
+    model: str = typer.Option("smollm2-135m", help="Registry name, local folder or HF id."),
+    keep_ratio: float = typer.Option(0.25, help="Fraction of the KV cache each method keeps."),
+    length: int = typer.Option(1500, help="Document length in tokens."),
+) -> None:
+    """The main job: the model reads a long document and answers questions with the full cache and with
+    several compression methods side by side, compressed before (agnostic) and after (aware) the question."""
+    from kvmem.eval.longctx import run_sample
+    from kvmem.eval.tasks import make_samples
+    from kvmem.models import load_model
+
+    methods = ["full", "streaming-llm", "h2o", "snapkv", "tova", "knorm", "random"]
+    lm = load_model(model)
+    console.print(f"model [bold]{lm.name}[/bold] (fingerprint {lm.fingerprint}), keep ratio {keep_ratio}")
+    for task in ("niah-single-number", "qa-abstracts"):
+        sample = make_samples(task, lm.tokenizer, length, 1, seed=7)[0]
+        console.rule(f"{task}: {length}-token document")
+        console.print(f"question:{sample.question}{sample.answer_prefix} …   [dim](expected: {', '.join(sample.answers)})[/dim]")
+        with console.status("prefill once, then every method on a copy of the cache ..."):
+            records = run_sample(lm, sample, methods, [keep_ratio])
+        table = Table(show_lines=False)
+        for col in ("setting", "method", "KV bytes", "kept", "answer", "correct", "time"):
+            table.add_column(col)
+        for r in records:
+            table.add_row(r["setting"], r["method"], f"{r['kv_bytes'] / 2**20:.1f} MiB",
+                          f"{r['kv_bytes'] / r['kv_bytes_full']:.2f}", r["output"].strip()[:40],
+                          "[green]yes[/green]" if r["score"] == 1 else ("[yellow]part[/yellow]" if r["score"] else "[red]no[/red]"),
+                          f"{r['wall_s']:.1f}s")
+        console.print(table)
+
+
+@app.command()
+@clean_errors
+def generate(
+    prompt: str = typer.Option(..., help="The question or instruction, fed after the context."),
+    context_file: Optional[Path] = typer.Option(None, help="A text file read (and compressed) before the prompt."),
+    model: str = typer.Option("smollm2-135m", help="Registry name, local folder or HF id."),
+    method: str = typer.Option("snapkv", help="Compression method (see `kvmem methods`)."),
+    keep_ratio: float = typer.Option(0.5, help="Fraction of the context's KV cache kept, in (0, 1]."),
+    query_aware: bool = typer.Option(False, help="Compress after reading the prompt too (not reusable across prompts)."),
+    budget: str = typer.Option("uniform", help="uniform: every head keeps the same fraction; adaptive: heads share a layer's budget."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate (stops at end of line)."),
+) -> None:
+    """Read a context, compress its KV cache, answer the prompt; prints the answer and the memory held."""
+    from kvmem.compress import get_method
+    from kvmem.generate import answer
+    from kvmem.models import load_model
+
+    get_method(method)  # fail on a bad name before loading anything
+    if not 0.0 < keep_ratio <= 1.0:
+        raise KVMemError(f"keep ratio must be in (0, 1]; got {keep_ratio}")
+    if method == "full" and keep_ratio < 1.0:
+        raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
+    context = context_file.read_text() if context_file else ""
+    lm = load_model(model)
+    a = answer(lm, context, "\n" + prompt if context else prompt, method, keep_ratio, query_aware, max_new_tokens, budget)
+    console.print(a.text.strip(), highlight=False)
+    console.print(f"[dim]KV held {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
+                  f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}[/dim]", highlight=False)
+
+
+@app.command("eval")
+@clean_errors
+def eval_(
+    suite: str = typer.Option("longctx", help="Benchmark suite: longctx (RULER-style tasks, QA, perplexity)."),
+    models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
+    lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
+    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all)."),
+    ratios: str = typer.Option("1.0,0.5,0.25,0.1", help="Comma-separated keep ratios."),
+    tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks (default: all)."),
+    samples: int = typer.Option(3, help="Samples per task and length."),
+    seed: int = typer.Option(0, help="Seed of the generated samples."),
+    out: Path = typer.Option(Path("results/longctx"), help="Folder for records.jsonl, results.json, report.md, plots."),
+) -> None:
+    """Run the benchmark (resumes from OUT/records.jsonl) and write results.json + report.md + plots."""
+    from kvmem.compress import METHODS
+    from kvmem.eval.longctx import ALL_TASKS, EvalConfig, run
+
+    if suite != "longctx":
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx")
+    cfg = EvalConfig(
+        models=_csv(models), lengths=_csv(lengths, int),
+        tasks=_csv(tasks) if tasks else list(ALL_TASKS),
+        methods=_csv(methods) if methods else list(METHODS),
+        ratios=_csv(ratios, float), samples=samples, seed=seed, out=out,
+    )
+    path = run(cfg)
+    console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
+
+
+@app.command("methods")
+def methods_() -> None:
+    """List the compression methods and the papers they follow."""
+    from kvmem.compress import METHODS
+
+    for name, cls in METHODS.items():
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+        console.print(f"[bold]{name}[/bold]: {' '.join(doc[:3])}", highlight=False)
+
+
+@app.command("models")
+def models_() -> None:
+    """List the embedded models (any HF id or local folder works too)."""
+    from kvmem.models import REGISTRY
+
+    for name, entry in REGISTRY.items():
+        console.print(f"[bold]{name}[/bold]: {entry.description}", highlight=False)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,168 @@
+"""Markdown report and plots for the long-context benchmark (reads the rows of results.json)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+FULL_CACHE_MIN = 0.5  # a task the model cannot do with its full cache measures nothing
+PPL_PREFIX = "ppl-"
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def usable_tasks(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """Full-cache score per (model, length) and task (agnostic setting)."""
+    full: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if r["method"] == "full" and r["setting"] == "agnostic" and not r["task"].startswith(PPL_PREFIX):
+            full[(r["model"], r["length"])][r["task"]] = r["score"]
+    return full
+
+
+def write_report(rows: list[dict], cfg) -> Path:
+    out = Path(cfg.out)
+    full = usable_tasks(rows)
+    lines = [
+        "# kvmem long-context benchmark",
+        "",
+        "Regenerate with:",
+        "",
+        "```",
+        f"kvmem eval --models {','.join(cfg.models)} --lengths {','.join(map(str, cfg.lengths))} "
+        f"--samples {cfg.samples} --out {out}",
+        "```",
+        "",
+        f"Samples per task and length: {cfg.samples}. Keep ratio = fraction of context tokens kept per head; "
+        "`kept` below is the measured fraction of KV bytes held after compression. Keep ratio 1.0 is the full "
+        "cache for every method. Scores are the fraction of expected answer strings in the greedy output "
+        "(RULER string match); perplexity tasks report perplexity (lower is better).",
+        "",
+        "## Full-cache score per task",
+        "",
+        f"Tasks scoring below {FULL_CACHE_MIN} with the full cache are flagged and left out of the averages: "
+        "a task the model cannot do uncompressed measures nothing about compression.",
+        "",
+    ]
+    tasks = sorted({t for d in full.values() for t in d})
+    keys = sorted(full)
+    lines.append("| task | " + " | ".join(f"{m} @ {L}" for m, L in keys) + " |")
+    lines.append("|---|" + "---|" * len(keys))
+    for t in tasks:
+        cells = []
+        for k in keys:
+            s = full[k].get(t)
+            cells.append("–" if s is None else f"{s:.2f}" + (" ⚠" if s < FULL_CACHE_MIN else ""))
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+    by_key: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_key[(r["model"], r["length"])].append(r)
+    for (model, length), rs in sorted(by_key.items()):
+        ok = {t for t, s in full.get((model, length), {}).items() if s >= FULL_CACHE_MIN}
+        lines += [f"## {model} @ {length} tokens", ""]
+        if not ok:
+            lines += ["No task reaches the full-cache threshold here; nothing to average.", ""]
+        ratios = sorted({r["keep_ratio"] for r in rs}, reverse=True)
+        methods = list(dict.fromkeys(r["method"] for r in rs))
+        for setting in ("agnostic", "aware"):
+            cell: dict[tuple, list[float]] = defaultdict(list)
+            kept: dict[tuple, list[float]] = defaultdict(list)
+            for r in rs:
+                if r["setting"] == setting and r["task"] in ok:
+                    cell[(r["method"], r["keep_ratio"])].append(r["score"])
+                    kept[(r["method"], r["keep_ratio"])].append(r["fraction_kept"])
+            if not cell:
+                continue
+            lines += [f"### {setting}: mean score over {len(ok)} usable tasks ({', '.join(sorted(ok))})", ""]
+            lines.append("| method | " + " | ".join(f"keep {k:g}" for k in ratios) + " |")
+            lines.append("|---|" + "---|" * len(ratios))
+            for m in methods:
+                vals = []
+                for k in ratios:
+                    v = cell.get((m, k))
+                    vals.append("–" if not v else f"{sum(v) / len(v):.3f} (kept {sum(kept[(m, k)]) / len(kept[(m, k)]):.2f})")
+                lines.append(f"| {m} | " + " | ".join(vals) + " |")
+            lines.append("")
+        ppl = [r for r in rs if r["task"].startswith(PPL_PREFIX)]
+        if ppl:
+            lines += ["### perplexity of a continuation after compressing the context (lower is better)", ""]
+            ptasks = sorted({r["task"] for r in ppl})
+            lines.append("| method | " + " | ".join(f"{t} keep {k:g}" for t in ptasks for k in ratios) + " |")
+            lines.append("|---|" + "---|" * (len(ptasks) * len(ratios)))
+            for m in methods:
+                vals = []
+                for t in ptasks:
+                    for k in ratios:
+                        v = [r["score"] for r in ppl if r["method"] == m and r["task"] == t and r["keep_ratio"] == k]
+                        vals.append(f"{v[0]:.2f}" if v else "–")
+                lines.append(f"| {m} | " + " | ".join(vals) + " |")
+            lines.append("")
+        kvrows = [r for r in rs if r["setting"] == "agnostic" and r["method"] == "snapkv"]
+        if kvrows:
+            lines += ["### KV bytes held (measured), agnostic setting", "", "| keep ratio | KV bytes | fraction of full |",
+                      "|---|---|---|"]
+            for k in ratios:
+                v = [r for r in kvrows if r["keep_ratio"] == k]
+                if v:
+                    lines.append(f"| {k:g} | {_fmt_bytes(sum(r['kv_bytes'] for r in v) / len(v))} | "
+                                 f"{sum(r['fraction_kept'] for r in v) / len(v):.3f} |")
+            full_t = sum(r["prefill_s"] for r in kvrows) / len(kvrows)
+            lines += ["", f"Mean prefill time (with attention tracking): {full_t:.1f} s.", ""]
+        plot = _plot(rs, ok, model, length, out)
+        if plot:
+            lines += [f"![score vs fraction kept]({plot.name})", ""]
+    lines += ["## Per-task scores", "", "| model | length | setting | task | method | " +
+              " | ".join(f"keep {k:g}" for k in sorted({r['keep_ratio'] for r in rows}, reverse=True)) + " |"]
+    all_ratios = sorted({r["keep_ratio"] for r in rows}, reverse=True)
+    lines.append("|---|---|---|---|---|" + "---|" * len(all_ratios))
+    table: dict[tuple, dict[float, float]] = defaultdict(dict)
+    for r in rows:
+        table[(r["model"], r["length"], r["setting"], r["task"], r["method"])][r["keep_ratio"]] = r["score"]
+    for key, vals in sorted(table.items()):
+        lines.append("| " + " | ".join(map(str, key)) + " | " +
+                     " | ".join(f"{vals[k]:.2f}" if k in vals else "–" for k in all_ratios) + " |")
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _plot(rs: list[dict], ok: set[str], model: str, length: int, out: Path) -> Path | None:
+    settings = ("agnostic", "aware")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    drawn = False
+    for ax, setting in zip(axes, settings):
+        series: dict[str, dict[float, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+        for r in rs:
+            if r["setting"] == setting and r["task"] in ok:
+                series[r["method"]][r["keep_ratio"]].append((r["fraction_kept"], r["score"]))
+        for method, pts in series.items():
+            if method == "full":
+                continue
+            xs = sorted(pts)
+            x = [sum(p[0] for p in pts[k]) / len(pts[k]) for k in xs]
+            y = [sum(p[1] for p in pts[k]) / len(pts[k]) for k in xs]
+            ax.plot(x, y, marker="o", label=method)
+            drawn = True
+        ax.set_title(f"{model} @ {length}: {setting}")
+        ax.set_xlabel("fraction of KV bytes kept")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean score (usable tasks)")
+    axes[1].legend(fontsize=8)
+    if not drawn:
+        plt.close(fig)
+        return None
+    path = out / f"score_vs_kept_{model}_{length}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,139 @@
+"""kvmem's own generation loop: prefill, compress, feed more tokens, decode greedily.
+
+`model.generate(..., cache=kv_cache)` works too (see tests); this loop exists so that compression can
+run between prefill and decode, and again every N decode steps, and so the benchmark can time the parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvmem.cache import KVCache
+from kvmem.compress import Method, compress, get_method
+from kvmem.errors import KVMemError
+from kvmem.models import LoadedModel
+
+
+def new_cache(lm: LoadedModel, method: Method | None = None, track_attention: bool | None = None) -> KVCache:
+    """A cache that records what `method` needs to score tokens (queries, accumulated attention)."""
+    window = max(64, method.observe_window if method else 0)
+    track = method.needs_attention if track_attention is None and method else bool(track_attention)
+    return KVCache(lm.model.config, observe_window=window, track_attention=track)
+
+
+@torch.no_grad()
+def feed(lm: LoadedModel, cache: KVCache, ids: Tensor | list[int]) -> Tensor:
+    """Run `ids` through the model on top of `cache`; returns the logits of the last token."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise KVMemError("nothing to feed: empty token list")
+    if cache.get_seq_length() + ids.shape[1] > lm.max_context:
+        raise KVMemError(
+            f"context too long: {cache.get_seq_length() + ids.shape[1]} tokens > {lm.max_context} that {lm.name} allows"
+        )
+    out = lm.model(input_ids=ids.to(lm.model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+@torch.no_grad()
+def nll(lm: LoadedModel, cache: KVCache, ids: list[int]) -> float:
+    """Mean negative log-likelihood of `ids[1:]` given the cache and `ids[0]` (for perplexity)."""
+    x = torch.tensor([ids], dtype=torch.long)
+    logits = lm.model(input_ids=x, cache=cache, use_cache=True).logits[0, :-1].float()
+    return torch.nn.functional.cross_entropy(logits, x[0, 1:]).item()
+
+
+_STOP_CACHE: dict[int, set[int]] = {}
+
+
+def stop_ids(lm: LoadedModel) -> set[int]:
+    """End-of-sequence ids plus every token that contains a newline (answers are one line)."""
+    key = id(lm.tokenizer)
+    if key not in _STOP_CACHE:
+        tok, eos = lm.tokenizer, lm.model.generation_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
+        ids |= {i for t, i in tok.get_vocab().items() if "\n" in tok.convert_tokens_to_string([t])}
+        _STOP_CACHE[key] = {i for i in ids if i is not None}
+    return _STOP_CACHE[key]
+
+
+@torch.no_grad()
+def decode(
+    lm: LoadedModel,
+    cache: KVCache,
+    first_logits: Tensor,
+    max_new_tokens: int,
+    stop: set[int] | None = None,
+    method: Method | None = None,
+    max_tokens: int | None = None,
+    every: int = 0,
+) -> list[int]:
+    """Greedy decoding. With `method`, `max_tokens` and `every`, re-compress every `every` steps so no
+    head holds more than `max_tokens` tokens (decode-time compression)."""
+    out: list[int] = []
+    logits = first_logits
+    for step in range(max_new_tokens):
+        token = int(logits.argmax())
+        if stop and token in stop:
+            break
+        out.append(token)
+        if step == max_new_tokens - 1:
+            break
+        if method is not None and every and step % every == every - 1:
+            recompress(cache, method, max_tokens)
+        logits = feed(lm, cache, [token])
+    return out
+
+
+def recompress(cache: KVCache, method: Method, max_tokens: int) -> None:
+    """Evict so that every head of every layer holds at most `max_tokens` tokens."""
+    ratios = [min(1.0, max_tokens / max(max(lens), 1)) for lens in cache.tokens_held()]
+    if min(ratios) < 1.0:
+        compress(cache, method, ratios)
+
+
+@dataclass
+class Answer:
+    text: str
+    tokens: list[int]
+    kv_bytes: int
+    kv_bytes_full: int
+    tokens_held: int
+
+
+def answer(
+    lm: LoadedModel,
+    context: str,
+    question: str,
+    method: str = "full",
+    keep_ratio: float = 1.0,
+    query_aware: bool = False,
+    max_new_tokens: int = 32,
+    budget: str = "uniform",
+) -> Answer:
+    """Read `context`, compress its KV with `method`, then answer `question` (the one-call API).
+
+    query_aware=False compresses the context before the question is seen (the reusable setting);
+    True compresses after reading the question too, keeping the question's tokens.
+    """
+    m = get_method(method)
+    tok = lm.tokenizer
+    ctx = tok(context, add_special_tokens=True).input_ids
+    q = tok(question, add_special_tokens=False).input_ids
+    if not q:
+        raise KVMemError("the question is empty")
+    cache = new_cache(lm, m)
+    if query_aware:
+        feed(lm, cache, ctx + q[:-1])
+    else:
+        feed(lm, cache, ctx)
+    full_bytes = cache.kv_bytes()
+    compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None, budget=budget)
+    kept = cache.kv_bytes()
+    cache.drop_observations()
+    logits = feed(lm, cache, q[-1:] if query_aware else q)
+    tokens = decode(lm, cache, logits, max_new_tokens, stop_ids(lm))
+    return Answer(tok.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())))

@@ -1,0 +1,46 @@
+"""Shared fixtures: the real embedded models (loaded once per session) and tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+import kvmem.cache  # noqa: F401  (registers kvmem's attention)
+from kvmem.models import LoadedModel, load_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> LoadedModel:
+    return load_model("gemma3-270m")
+
+
+def tiny_model(kind: str = "llama", sliding_window: int = 8):
+    """A random 2-layer model (GQA) for fast property tests; `gemma` mixes sliding and global layers."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    else:
+        cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                               sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="kvmem", dtype=torch.float32).eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma():
+    return tiny_model("gemma")

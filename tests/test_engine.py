@@ -1,0 +1,192 @@
+"""Engine invariants on tiny random models (fast, so hypothesis can try many cases).
+
+The central property: evicting tokens from a KVCache gives the same next-token logits as the
+uncompressed model with those tokens masked out (same original positions) - per KV head, with
+sliding-window layers, for any keep ratio and budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from kvmem.cache import KVCache
+from kvmem.compress import HeadView, Method, compress, get_method
+from kvmem.errors import KVMemError
+
+
+class FixedScores(Method):
+    """Scores that depend only on (KV head, position): every layer evicts the same tokens per head,
+    so one 4-D mask describes the eviction for the reference forward."""
+
+    name = "fixed-test"
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def score(self, head: HeadView) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 31 + head.head)
+        table = torch.rand(4096, generator=g)
+        return table[head.positions.long()]
+
+
+def run_with_cache(model, ctx, new, compress_fn=None):
+    """Prefill ctx, optionally compress, feed new. Returns logits and the positions kept per layer and
+    head right after compression (what the new tokens could see)."""
+    cache = KVCache(model.config)
+    with torch.no_grad():
+        model(input_ids=ctx, cache=cache, use_cache=True)
+        if compress_fn:
+            compress_fn(cache)
+        kept = [[p.clone() for p in layer.head_positions] for layer in cache.layers]
+        logits = model(input_ids=new, cache=cache, use_cache=True).logits
+    return logits, cache, kept
+
+
+def reference_logits(model, ctx, new, cache: KVCache, kept_positions):
+    """Full forward over ctx+new where the new tokens cannot see what `cache` evicted (per KV head).
+    Layers of one type evict the same tokens by construction (FixedScores), so one mask per type."""
+    cfg = model.config
+    n_ctx, n_new = ctx.shape[1], new.shape[1]
+    total = n_ctx + n_new
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    i = torch.arange(total)
+
+    def mask_for(layer_idx):
+        layer = cache.layers[layer_idx]
+        allowed = torch.ones(cfg.num_attention_heads, total, total, dtype=torch.bool).tril()
+        for qh in range(cfg.num_attention_heads):
+            kept = kept_positions[layer_idx][qh // groups]
+            visible = torch.zeros(n_ctx, dtype=torch.bool)
+            visible[kept[kept < n_ctx].long()] = True
+            allowed[qh, n_ctx:, :n_ctx] &= visible
+        if layer.is_sliding:
+            allowed &= (i[:, None] - i[None, :]) < cfg.sliding_window
+        return allowed[None]
+
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        mask = {t: mask_for(layer_types.index(t)) for t in set(layer_types)}
+    else:
+        mask = mask_for(0)
+    with torch.no_grad():
+        return model(input_ids=torch.cat([ctx, new], 1), attention_mask=mask).logits[:, n_ctx:]
+
+
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_gemma"])
+def test_keep_all_is_identical(kind, request):
+    model = request.getfixturevalue(kind)
+    ctx, new = random_ids(30, 1), random_ids(4, 2)
+    with torch.no_grad():
+        dyn = DynamicCache(config=model.config)
+        model(input_ids=ctx, cache=dyn, use_cache=True)
+        expected = model(input_ids=new, cache=dyn, use_cache=True).logits
+    for method in ("full", "snapkv", "knorm"):
+        got, _, _ = run_with_cache(model, ctx, new, lambda c: compress(c, get_method(method), 1.0))
+        assert torch.equal(got, expected), method
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(["tiny_llama", "tiny_gemma"]),
+    ratio=st.floats(0.05, 1.0),
+    n_ctx=st.integers(6, 40),
+    n_new=st.integers(1, 5),
+    seed=st.integers(0, 1000),
+    budget=st.sampled_from(["uniform", "adaptive"]),
+)
+def test_eviction_equals_masking(kind, ratio, n_ctx, n_new, seed, budget, request):
+    model = request.getfixturevalue(kind)
+    ctx, new = random_ids(n_ctx, seed), random_ids(n_new, seed + 1)
+    got, cache, kept = run_with_cache(model, ctx, new, lambda c: compress(c, FixedScores(seed), ratio, budget=budget))
+    expected = reference_logits(model, ctx, new, cache, kept)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ratio=st.floats(0.01, 1.0), n_ctx=st.integers(2, 60), seed=st.integers(0, 100))
+def test_uniform_budget_and_bytes(tiny_llama, ratio, n_ctx, seed):
+    _, cache, _ = run_with_cache(tiny_llama, random_ids(n_ctx, seed), random_ids(1, 0))
+    n_held = n_ctx + 1
+    before = cache.kv_bytes()
+    res = compress(cache, FixedScores(seed), ratio)
+    head_dim = tiny_llama.config.hidden_size // tiny_llama.config.num_attention_heads
+    for layer in cache.layers:
+        assert layer.lengths() == [max(1, math.ceil(ratio * n_held))] * layer.num_heads
+        for p in layer.head_positions:
+            assert torch.all(p[1:] > p[:-1])  # sorted, unique, subset of the original positions
+            assert int(p.max()) < n_held
+    tokens = sum(map(sum, cache.tokens_held()))
+    assert res.kv_bytes_after == cache.kv_bytes() == tokens * head_dim * 2 * 4  # keys + values, float32
+    assert res.kv_bytes_before == before == n_held * head_dim * 2 * 4 * 2 * 2  # 2 heads x 2 layers
+
+
+def test_adaptive_budget_gives_heads_different_lengths(tiny_llama):
+    class Skewed(Method):
+        name = "skewed-test"
+
+        def score(self, head):  # head 0's scores are peaked, head 1's flat: adaptive gives head 0 less
+            return torch.linspace(0, 10, head.positions.numel()) if head.head == 0 else torch.zeros(head.positions.numel())
+
+    _, cache, _ = run_with_cache(tiny_llama, random_ids(50, 3), random_ids(1, 4))
+    compress(cache, Skewed(), 0.5, budget="adaptive")
+    lengths = cache.tokens_held()[0]
+    assert lengths[0] != lengths[1]
+    assert sum(lengths) in range(50, 53)  # the layer's budget, pooled (ceil per head)
+    head_dim = 16
+    assert cache.kv_bytes() == sum(map(sum, cache.tokens_held())) * head_dim * 2 * 4
+
+
+def test_sliding_layers_hold_only_the_window(tiny_gemma):
+    _, cache, _ = run_with_cache(tiny_gemma, random_ids(30, 5), random_ids(3, 6))
+    window = tiny_gemma.config.sliding_window
+    for layer in cache.layers:
+        expected = window - 1 if layer.is_sliding else 33
+        assert layer.lengths() == [expected] * layer.num_heads
+        assert all(p.untyped_storage().nbytes() == expected * 4 for p in layer.head_positions)
+
+
+def test_positions_continue_after_eviction(tiny_llama):
+    _, cache, _ = run_with_cache(tiny_llama, random_ids(20, 7), random_ids(2, 8),
+                              lambda c: compress(c, get_method("streaming-llm"), 0.3))
+    assert cache.get_seq_length() == 22
+    p = cache.layers[0].head_positions[0]
+    assert p[-2:].tolist() == [20, 21] and p[:4].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("ratio", [0.0, -0.5, 1.5, float("nan")])
+def test_bad_keep_ratio_is_a_clear_error(tiny_llama, ratio):
+    _, cache, _ = run_with_cache(tiny_llama, random_ids(8, 0), random_ids(1, 0))
+    with pytest.raises(KVMemError, match="keep ratio"):
+        compress(cache, get_method("knorm"), ratio)
+
+
+def test_other_clear_errors(tiny_llama):
+    _, cache, _ = run_with_cache(tiny_llama, random_ids(8, 0), random_ids(1, 0))
+    with pytest.raises(KVMemError, match="unknown method"):
+        get_method("snapkv2")
+    with pytest.raises(KVMemError, match="full"):
+        compress(cache, get_method("full"), 0.5)
+    with pytest.raises(KVMemError, match="per-layer"):
+        compress(cache, get_method("knorm"), [0.5, 0.5, 0.5])
+    with pytest.raises(KVMemError, match="track_attention"):
+        compress(cache, get_method("h2o"), 0.5)
+    with pytest.raises(KVMemError, match="batch size"):
+        tiny_llama(input_ids=random_ids(8, 0).repeat(2, 1), cache=KVCache(tiny_llama.config), use_cache=True)
+
+
+def test_clone_is_independent(tiny_llama):
+    _, cache, _ = run_with_cache(tiny_llama, random_ids(20, 9), random_ids(1, 0))
+    copy = cache.clone()
+    compress(copy, get_method("knorm"), 0.25)
+    assert cache.tokens_held()[0] == [21, 21] and copy.tokens_held()[0] == [6, 6]
+    assert cache.kv_bytes() > copy.kv_bytes()
