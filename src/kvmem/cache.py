@@ -52,8 +52,16 @@ def storage_bytes(tensors) -> int:
     return total
 
 
+_GROW = 64  # free rows added when a buffer fills: appends stay amortized, spare capacity stays small
+
+
 class KVLayer(CacheLayerMixin):
-    """One attention layer's cache, stored per KV head."""
+    """One attention layer's cache, stored per KV head.
+
+    Storage: while every head holds the same number of tokens, one buffer (heads, capacity, head_dim)
+    whose live rows attention reads without a copy; once heads differ (per-head budgets), one buffer
+    per head of its own length. Either way `kv_bytes` measures exactly what is allocated.
+    """
 
     is_compileable = False
     is_croppable = False
@@ -66,30 +74,95 @@ class KVLayer(CacheLayerMixin):
         self.track_attention = track_attention
         self.compressed = False  # True once positions are no longer the contiguous range transformers assumes
         self.next_position = 0
-        self.head_keys: list[Tensor] = []
-        self.head_values: list[Tensor] = []
-        self.head_positions: list[Tensor] = []
+        self._k: Tensor | list[Tensor] | None = None  # dense (H, cap, D) or per-head [(cap_h, D)]
+        self._v: Tensor | list[Tensor] | None = None
+        self._p: Tensor | list[Tensor] | None = None  # int32 positions, (H, cap) or per-head [(cap_h,)]
+        self._n: list[int] = []  # live rows per head
         self.head_attention: list[Tensor] | None = None  # per head (query group, T_h), with track_attention
         self.recent_queries: Tensor | None = None  # (query heads, <= observe_window, head_dim)
         self.recent_positions: Tensor | None = None
-        self._seen: tuple | None = None  # what the current forward's attention sees, for observe()
         self.scaling: float | None = None  # the model's attention scaling, seen by observe()
+        self._seen: tuple | None = None  # what the current forward's attention sees, for observe()
+
+    # -- storage -------------------------------------------------------------------------------------
+    @property
+    def dense(self) -> bool:
+        return isinstance(self._k, Tensor)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self._n)
+
+    def lengths(self) -> list[int]:
+        return list(self._n)
+
+    @property
+    def head_keys(self) -> list[Tensor]:
+        return [self._k[h, :n] if self.dense else self._k[h][:n] for h, n in enumerate(self._n)]
+
+    @property
+    def head_values(self) -> list[Tensor]:
+        return [self._v[h, :n] if self.dense else self._v[h][:n] for h, n in enumerate(self._n)]
+
+    @property
+    def head_positions(self) -> list[Tensor]:
+        return [self._p[h, :n] if self.dense else self._p[h][:n] for h, n in enumerate(self._n)]
+
+    def _set_rows(self, keys: list[Tensor], values: list[Tensor], positions: list[Tensor], spare: int = 0) -> None:
+        """Store exactly these rows per head (plus `spare` free rows): dense if all heads are equally long."""
+        self._n = [k.shape[0] for k in keys]
+        if len(set(self._n)) == 1:
+            n = self._n[0]
+            self._k = keys[0].new_empty((len(keys), n + spare, keys[0].shape[-1]))
+            self._v = values[0].new_empty((len(values), n + spare, values[0].shape[-1]))
+            self._p = positions[0].new_empty((len(positions), n + spare))
+            for h in range(len(keys)):
+                self._k[h, :n], self._v[h, :n], self._p[h, :n] = keys[h], values[h], positions[h]
+        else:
+            def exact(rows: Tensor) -> Tensor:
+                buf = rows.new_empty((rows.shape[0] + spare, *rows.shape[1:]))
+                buf[: rows.shape[0]] = rows
+                return buf
+            self._k, self._v, self._p = [exact(k) for k in keys], [exact(v) for v in values], [exact(p) for p in positions]
+
+    def _append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """Append `keys`/`values` (H, Q, D) at `positions` (Q,) to every head, growing buffers by _GROW."""
+        q = keys.shape[1]
+        if self.dense:
+            n = self._n[0]
+            if n + q > self._k.shape[1]:
+                self._set_rows(self.head_keys, self.head_values, self.head_positions, spare=q + _GROW)
+            self._k[:, n:n + q], self._v[:, n:n + q], self._p[:, n:n + q] = keys, values, positions
+        else:
+            if any(n + q > k.shape[0] for n, k in zip(self._n, self._k)):
+                self._set_rows(self.head_keys, self.head_values, self.head_positions, spare=q + _GROW)
+            for h, n in enumerate(self._n):
+                self._k[h][n:n + q], self._v[h][n:n + q], self._p[h][n:n + q] = keys[h], values[h], positions
+        self._n = [n + q for n in self._n]
+        if self.head_attention is not None:  # new tokens start with no accumulated attention
+            self.head_attention = [torch.cat([a, a.new_zeros((a.shape[0], q))], dim=1) for a in self.head_attention]
+
+    def _trim_to_window(self) -> None:
+        """A sliding layer keeps what the next token can still see: positions > next - window (transformers
+        keeps the last window-1 tokens; the same set while uncompressed). Copied so dropped rows are freed."""
+        cutoff = self.next_position - self.sliding_window
+        drop = [int((p <= cutoff).sum()) for p in self.head_positions]  # positions increase: a prefix
+        if not any(drop):
+            return
+        self._set_rows([k[d:] for k, d in zip(self.head_keys, drop)], [v[d:] for v, d in zip(self.head_values, drop)],
+                       [p[d:] for p, d in zip(self.head_positions, drop)])
+        if self.head_attention is not None:
+            self.head_attention = [a[:, d:].clone() for a, d in zip(self.head_attention, drop)]
 
     # -- transformers' layer interface -------------------------------------------------------------
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        n_heads, dim = key_states.shape[1], key_states.shape[-1]
-        self.head_keys = [key_states.new_empty((0, dim)) for _ in range(n_heads)]
-        self.head_values = [value_states.new_empty((0, value_states.shape[-1])) for _ in range(n_heads)]
-        self.head_positions = [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(n_heads)]
+        n_heads = key_states.shape[1]
+        self._k = key_states.new_empty((n_heads, 0, key_states.shape[-1]))
+        self._v = value_states.new_empty((n_heads, 0, value_states.shape[-1]))
+        self._p = torch.empty((n_heads, 0), dtype=torch.int32, device=self.device)
+        self._n = [0] * n_heads
         self.is_initialized = True
-
-    @property
-    def num_heads(self) -> int:
-        return len(self.head_keys)
-
-    def lengths(self) -> list[int]:
-        return [k.shape[0] for k in self.head_keys]
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: dict | None = None, **_) -> tuple[Tensor, Tensor]:
         if key_states.shape[0] != 1:
@@ -104,24 +177,28 @@ class KVLayer(CacheLayerMixin):
             new_pos = position_ids.reshape(-1)[-n_new:].to(device=self.device, dtype=torch.int32)
         else:
             new_pos = torch.arange(self.next_position, self.next_position + n_new, dtype=torch.int32, device=self.device)
-        if self.compressed or int(new_pos[0]) != self.next_position:
+        if int(new_pos[0]) != self.next_position:
             self.compressed = True
-        full_k = [torch.cat([self.head_keys[h], key_states[0, h]]) for h in range(self.num_heads)]
-        full_v = [torch.cat([self.head_values[h], value_states[0, h]]) for h in range(self.num_heads)]
-        full_p = [torch.cat([self.head_positions[h], new_pos]) for h in range(self.num_heads)]
+        self._append(key_states[0], value_states[0], new_pos)
         self.next_position = max(self.next_position, int(new_pos.max()) + 1)
-        self._store(full_k, full_v, full_p, n_new)
+        # What attention sees, taken before a sliding layer drops what later tokens cannot see.
+        seen_k, seen_p = self.head_keys, self.head_positions
+        if self.dense:  # live rows of the shared buffer: no copy
+            n = self._n[0]
+            keys, values, kpos, valid = self._k[None, :, :n], self._v[None, :, :n], self._p[:, :n], None
+        else:  # heads of different lengths: pad, and mask the padding
+            keys = pad_sequence(seen_k, batch_first=True)[None]
+            values = pad_sequence(self.head_values, batch_first=True)[None]
+            kpos = pad_sequence(seen_p, batch_first=True, padding_value=-1)
+            lengths = torch.tensor(self._n, device=self.device)
+            valid = torch.arange(kpos.shape[1], device=self.device)[None, :] < lengths[:, None]
+        if self.is_sliding:
+            self._trim_to_window()
         if self.observe_window > 0 or self.track_attention:
             kwargs["kvmem_layer"] = self
-            self._seen = (full_k, full_p, new_pos)
-        if not self.compressed:
-            return torch.stack(full_k)[None], torch.stack(full_v)[None]
-        lengths = torch.tensor([k.shape[0] for k in full_k], device=self.device)
-        keys = pad_sequence(full_k, batch_first=True)[None]
-        values = pad_sequence(full_v, batch_first=True)[None]
-        kpos = pad_sequence(full_p, batch_first=True, padding_value=-1)
-        valid = torch.arange(kpos.shape[1], device=self.device)[None, :] < lengths[:, None]
-        kwargs["kvmem_mask"] = self._allowed(kpos, new_pos, valid)[None]
+            self._seen = (seen_k, seen_p, new_pos)
+        if self.compressed:
+            kwargs["kvmem_mask"] = self._allowed(kpos, new_pos, valid)[None]
         return keys, values
 
     def _allowed(self, key_pos: Tensor, query_pos: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -134,27 +211,9 @@ class KVLayer(CacheLayerMixin):
             allowed &= valid[:, None, :]
         return allowed
 
-    def _store(self, full_k: list[Tensor], full_v: list[Tensor], full_p: list[Tensor], n_new: int) -> None:
-        if self.head_attention is not None:  # new tokens start with no accumulated attention
-            self.head_attention = [torch.cat([a, a.new_zeros((a.shape[0], n_new))], dim=1) for a in self.head_attention]
-        if not self.is_sliding:
-            self.head_keys, self.head_values, self.head_positions = full_k, full_v, full_p
-            return
-        # A sliding layer keeps what the next token can still see: positions > last - window + 1
-        # (transformers keeps the last window-1 tokens; same set while uncompressed). Clone so the
-        # dropped rows are really freed, not held by a view.
-        cutoff = self.next_position - self.sliding_window
-        keep = [int((p > cutoff).sum()) for p in full_p]
-        trimmed = any(n < p.shape[0] for n, p in zip(keep, full_p))
-        self.head_keys = [k[-n:].clone() if trimmed else k for k, n in zip(full_k, keep)]
-        self.head_values = [v[-n:].clone() if trimmed else v for v, n in zip(full_v, keep)]
-        self.head_positions = [p[-n:].clone() if trimmed else p for p, n in zip(full_p, keep)]
-        if self.head_attention is not None:
-            self.head_attention = [a[:, -n:] if n else a[:, :0] for a, n in zip(self.head_attention, keep)]
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.compressed:  # kvmem builds this layer's mask itself; transformers' one is unused
-            return max(self.lengths() or [0]) + query_length, 0
+            return max(self._n or [0]) + query_length, 0
         if self.is_sliding:  # mirror DynamicSlidingWindowLayer exactly
             kv_offset = max(self.next_position - self.sliding_window + 1, 0)
             return min(self.next_position, self.sliding_window - 1) + query_length, kv_offset
@@ -190,36 +249,38 @@ class KVLayer(CacheLayerMixin):
     def _accumulate_attention(self, q: Tensor, scaling: float, full_k, full_p, new_pos) -> None:
         groups = q.shape[0] // self.num_heads
         if self.head_attention is None:
-            self.head_attention = [q.new_zeros((groups, n)) for n in self.lengths()]
+            self.head_attention = [q.new_zeros((groups, n)) for n in self._n]
         for h in range(self.num_heads):
-            k, kp = full_k[h], full_p[h]
+            k, kp = full_k[h], full_p[h]  # positions increase along the head, so visible keys are a prefix
             acc = q.new_zeros((groups, k.shape[0]))
             qh = q[h * groups:(h + 1) * groups]
             for start in range(0, q.shape[1], _QUERY_CHUNK):
                 qp = new_pos[start:start + _QUERY_CHUNK]
-                scores = torch.einsum("gqd,kd->gqk", qh[:, start:start + _QUERY_CHUNK], k) * scaling
-                scores.masked_fill_(~self._allowed(kp[None], qp)[0][None], float("-inf"))
-                acc += scores.softmax(dim=-1).sum(dim=1)
+                n_visible = int((kp <= qp.max()).sum())
+                scores = torch.einsum("gqd,kd->gqk", qh[:, start:start + _QUERY_CHUNK], k[:n_visible]) * scaling
+                scores.masked_fill_(~self._allowed(kp[None, :n_visible], qp)[0][None], float("-inf"))
+                acc[:, :n_visible] += scores.softmax(dim=-1).sum(dim=1)
             stored = self.head_attention[h].shape[1]  # stored tokens are the suffix of what attention saw
             self.head_attention[h] = self.head_attention[h] + acc[:, acc.shape[1] - stored:]
 
     # -- eviction ------------------------------------------------------------------------------------
     def keep_only(self, indices: list[Tensor]) -> None:
-        """Keep, for each head, the tokens at `indices[h]` (sorted, so positions stay increasing)."""
-        sorted_idx = [idx.sort().values.to(self.device) for idx in indices]
-        self.head_keys = [k.index_select(0, i) for k, i in zip(self.head_keys, sorted_idx)]
-        self.head_values = [v.index_select(0, i) for v, i in zip(self.head_values, sorted_idx)]
-        self.head_positions = [p.index_select(0, i) for p, i in zip(self.head_positions, sorted_idx)]
+        """Keep, for each head, the tokens at `indices[h]` (sorted, so positions stay increasing). The kept
+        rows are copied into exactly-sized storage and the old buffers are released."""
+        idx = [i.sort().values.to(self.device) for i in indices]
+        self._set_rows([k.index_select(0, i) for k, i in zip(self.head_keys, idx)],
+                       [v.index_select(0, i) for v, i in zip(self.head_values, idx)],
+                       [p.index_select(0, i) for p, i in zip(self.head_positions, idx)])
         if self.head_attention is not None:
-            self.head_attention = [a.index_select(1, i) for a, i in zip(self.head_attention, sorted_idx)]
+            self.head_attention = [a.index_select(1, i) for a, i in zip(self.head_attention, idx)]
         self.compressed = True
 
     def kv_tensors(self) -> list[Tensor]:
-        return self.head_keys + self.head_values
+        return [self._k, self._v] if self.dense else [*self._k, *self._v]
 
     def state_tensors(self) -> list[Tensor]:
         extra = [t for t in (self.recent_queries, self.recent_positions) if t is not None]
-        return self.head_positions + (self.head_attention or []) + extra
+        return ([self._p] if self.dense else list(self._p)) + (self.head_attention or []) + extra
 
 
 class KVCache(Cache):

@@ -119,8 +119,13 @@ def eval_(
     samples: int = typer.Option(3, help="Samples per task and length."),
     seed: int = typer.Option(0, help="Seed of the generated samples."),
     out: Path = typer.Option(Path("results/longctx"), help="Folder for records.jsonl, results.json, report.md, plots."),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default). Two 1-thread runs can beat one 2-thread run."),
 ) -> None:
     """Run the benchmark (resumes from OUT/records.jsonl) and write results.json + report.md + plots."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
     from kvmem.compress import METHODS
     from kvmem.eval.longctx import ALL_TASKS, EvalConfig, run
 

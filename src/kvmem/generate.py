@@ -46,18 +46,20 @@ def nll(lm: LoadedModel, cache: KVCache, ids: list[int]) -> float:
     return torch.nn.functional.cross_entropy(logits, x[0, 1:]).item()
 
 
-_STOP_CACHE: dict[int, set[int]] = {}
+_NEWLINE_IDS: dict[int, set[int]] = {}
 
 
-def stop_ids(lm: LoadedModel) -> set[int]:
-    """End-of-sequence ids plus every token that contains a newline (answers are one line)."""
-    key = id(lm.tokenizer)
-    if key not in _STOP_CACHE:
-        tok, eos = lm.tokenizer, lm.model.generation_config.eos_token_id
-        ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-        ids |= {i for t, i in tok.get_vocab().items() if "\n" in tok.convert_tokens_to_string([t])}
-        _STOP_CACHE[key] = {i for i in ids if i is not None}
-    return _STOP_CACHE[key]
+def end_ids(lm: LoadedModel) -> set[int]:
+    eos = lm.model.generation_config.eos_token_id
+    return {i for i in set(eos if isinstance(eos, list) else [eos]) | {lm.tokenizer.eos_token_id} if i is not None}
+
+
+def newline_ids(lm: LoadedModel) -> set[int]:
+    """Every token whose text contains a newline (cached per tokenizer)."""
+    tok = lm.tokenizer
+    if id(tok) not in _NEWLINE_IDS:
+        _NEWLINE_IDS[id(tok)] = {i for t, i in tok.get_vocab().items() if "\n" in tok.convert_tokens_to_string([t])}
+    return _NEWLINE_IDS[id(tok)]
 
 
 @torch.no_grad()
@@ -66,18 +68,22 @@ def decode(
     cache: KVCache,
     first_logits: Tensor,
     max_new_tokens: int,
-    stop: set[int] | None = None,
+    stop_at_newline: bool = True,
     method: Method | None = None,
     max_tokens: int | None = None,
     every: int = 0,
 ) -> list[int]:
-    """Greedy decoding. With `method`, `max_tokens` and `every`, re-compress every `every` steps so no
-    head holds more than `max_tokens` tokens (decode-time compression)."""
+    """Greedy decoding until end of sequence, `max_new_tokens`, or (with `stop_at_newline`) the end of the
+    first line that has any letter or digit. With `method`, `max_tokens` and `every`, re-compress every
+    `every` steps so no head holds more than `max_tokens` tokens (decode-time compression)."""
     out: list[int] = []
     logits = first_logits
+    ends, newlines = end_ids(lm), newline_ids(lm) if stop_at_newline else set()
     for step in range(max_new_tokens):
         token = int(logits.argmax())
-        if stop and token in stop:
+        if token in ends:
+            break
+        if token in newlines and any(c.isalnum() for c in lm.tokenizer.decode(out)):
             break
         out.append(token)
         if step == max_new_tokens - 1:
@@ -135,5 +141,5 @@ def answer(
     kept = cache.kv_bytes()
     cache.drop_observations()
     logits = feed(lm, cache, q[-1:] if query_aware else q)
-    tokens = decode(lm, cache, logits, max_new_tokens, stop_ids(lm))
+    tokens = decode(lm, cache, logits, max_new_tokens)
     return Answer(tok.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())))

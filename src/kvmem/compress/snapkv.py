@@ -23,6 +23,9 @@ class SnapKV(Method):
 
     def score(self, head: HeadView) -> Tensor:
         votes = head.query_attention(last=self.window).sum(dim=1).mean(dim=0)  # (T,)
-        pooled = F.max_pool1d(votes[None, None], self.kernel_size, stride=1, padding=self.kernel_size // 2)[0, 0]
         in_window = head.positions >= head.query_positions[-self.window:].min()
-        return torch.where(in_window, torch.tensor(float("inf")), pooled)
+        prefix = votes[~in_window]  # pooled on its own, as in the paper, so window votes do not leak into it
+        pooled = F.max_pool1d(prefix[None, None], self.kernel_size, stride=1, padding=self.kernel_size // 2)[0, 0]
+        score = torch.full_like(votes, float("inf"))
+        score[~in_window] = pooled
+        return score

@@ -32,7 +32,7 @@ from kvmem import __version__
 from kvmem.compress import METHODS, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.eval.tasks import TASKS, make_samples, perplexity_text, score
-from kvmem.generate import decode, feed, nll, stop_ids
+from kvmem.generate import decode, feed, nll
 from kvmem.models import LoadedModel, load_model
 from kvmem.cache import KVCache
 
@@ -40,6 +40,8 @@ PPL_TASKS = ("ppl-recall", "ppl-next")
 ALL_TASKS = tuple(TASKS) + PPL_TASKS
 DEFAULT_RATIOS = (1.0, 0.5, 0.25, 0.1)
 PPL_CONTINUATION = 128
+SETTINGS = ("agnostic", "aware")
+FULL_CACHE_MIN = 0.5  # tasks the full cache scores below this are screened out (they measure nothing)
 
 
 @dataclass
@@ -82,9 +84,17 @@ def _configs(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]
     return pairs
 
 
-def run_sample(lm: LoadedModel, sample, methods: list[str], ratios: list[float],
-               settings: tuple[str, ...] = ("agnostic", "aware")) -> list[dict]:
-    """Prefill one sample's context once, then answer with every (setting, method, ratio) on copies."""
+@dataclass
+class Prefilled:
+    """One sample's context read once: the caches every configuration copies."""
+
+    ctx: list[int]
+    question: list[int]
+    sources: dict[str, tuple[KVCache, int]]  # setting -> (cache, its KV bytes)
+    prefill_s: float
+
+
+def prefill_sample(lm: LoadedModel, sample, settings: tuple[str, ...] = SETTINGS) -> Prefilled:
     tok = lm.tokenizer
     ctx = tok(sample.context).input_ids
     q = tok(sample.question + sample.answer_prefix, add_special_tokens=False).input_ids
@@ -92,28 +102,37 @@ def run_sample(lm: LoadedModel, sample, methods: list[str], ratios: list[float],
     t0 = time.perf_counter()
     feed(lm, base, ctx)
     prefill_s = time.perf_counter() - t0
-    full_bytes = base.kv_bytes()
-    sources = {"agnostic": (base, full_bytes)}
+    sources = {"agnostic": (base, base.kv_bytes())}
     if "aware" in settings:
         aware = base.clone()
-        feed(lm, aware, q[:-1])
+        feed(lm, aware, q[:-1])  # the question's queries are observed; its last token is fed after compression
         sources["aware"] = (aware, aware.kv_bytes())
+    return Prefilled(ctx, q, sources, prefill_s)
+
+
+def answer_configs(lm: LoadedModel, sample, pre: Prefilled, configs: list[tuple[str, float]]) -> list[dict]:
+    """Answer `sample` once per (setting, method, ratio), each on a fresh copy of the prefilled cache."""
     records = []
-    for setting in settings:
-        src, full = sources[setting]
-        for method, ratio in _configs(methods, ratios):
+    for setting, (src, full) in pre.sources.items():
+        for method, ratio in configs:
             t0 = time.perf_counter()
             cache = src.clone()
-            compress(cache, get_method(method), ratio, protect_from=len(ctx) if setting == "aware" else None)
+            compress(cache, get_method(method), ratio, protect_from=len(pre.ctx) if setting == "aware" else None)
             kv = cache.kv_bytes()
             cache.drop_observations()
-            logits = feed(lm, cache, q if setting == "agnostic" else q[-1:])
-            out = tok.decode(decode(lm, cache, logits, sample.max_new_tokens, stop_ids(lm)))
+            logits = feed(lm, cache, pre.question if setting == "agnostic" else pre.question[-1:])
+            out = lm.tokenizer.decode(decode(lm, cache, logits, sample.max_new_tokens))
             records.append(dict(setting=setting, method=method, keep_ratio=ratio, score=score(sample, out),
                                 output=out, kv_bytes=kv, kv_bytes_full=full, wall_s=time.perf_counter() - t0,
-                                prefill_s=prefill_s, context_tokens=len(ctx) + len(q)))
+                                prefill_s=pre.prefill_s, context_tokens=len(pre.ctx) + len(pre.question)))
             del cache
     return records
+
+
+def run_sample(lm: LoadedModel, sample, methods: list[str], ratios: list[float],
+               settings: tuple[str, ...] = SETTINGS) -> list[dict]:
+    """Prefill one sample's context once, then answer with every (setting, method, ratio) on copies."""
+    return answer_configs(lm, sample, prefill_sample(lm, sample, settings), _configs(methods, ratios))
 
 
 def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) -> list[dict]:
@@ -137,14 +156,33 @@ def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) 
     return records
 
 
+def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: list[int], cfg: EvalConfig,
+              records_path: Path) -> dict[int, list[dict]]:
+    """Run the pending samples of one task. QA tasks are screened: all samples are prefilled and answered
+    with the full cache first; only if the full cache scores >= FULL_CACHE_MIN does the sweep run."""
+    if task in PPL_TASKS:
+        pairs = perplexity_text(lm.tokenizer, L - PPL_CONTINUATION - 1, PPL_CONTINUATION, cfg.samples, cfg.seed,
+                                kind=task.split("-", 1)[1])
+        return {i: _run_ppl(lm, *pairs[i], cfg.methods, cfg.ratios) for i in pending}
+    samples = make_samples(task, lm.tokenizer, L, cfg.samples, cfg.seed)
+    prefilled = {i: prefill_sample(lm, samples[i]) for i in pending}
+    recs = {i: answer_configs(lm, samples[i], prefilled[i], [("full", 1.0)]) for i in pending}
+    earlier = [r["score"] for r in _records(records_path) if (r["model"], r["length"], r["task"], r["method"],
+               r["setting"]) == (model_name, L, task, "full", "agnostic")]
+    full_scores = earlier + [r["score"] for rs in recs.values() for r in rs if r["setting"] == "agnostic"]
+    if sum(full_scores) / len(full_scores) >= FULL_CACHE_MIN:
+        sweep = _configs(cfg.methods, cfg.ratios)[1:]
+        for i in pending:
+            recs[i] += answer_configs(lm, samples[i], prefilled[i], sweep)
+    return recs
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def _done_keys(path: Path) -> set[tuple]:
-    if not path.exists():
-        return set()
-    keys = set()
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        keys.add((r["model"], r["length"], r["task"], r["sample"]))
-    return keys
+    return {(r["model"], r["length"], r["task"], r["sample"]) for r in _records(path)}
 
 
 def run(cfg: EvalConfig, progress: bool = True) -> Path:
@@ -164,25 +202,20 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
         for L in cfg.lengths:
             if L > lm.max_context:
                 raise KVMemError(f"context length {L} is longer than {model_name} allows ({lm.max_context})")
-        bar = tqdm(todo, desc=model_name, disable=not progress, unit="sample")
-        samples_cache: dict[tuple, list] = {}
-        for L, task, i in bar:
-            bar.set_postfix_str(f"{task} @ {L}")
-            if (L, task) not in samples_cache:
-                if task in PPL_TASKS:
-                    kind = task.split("-", 1)[1]
-                    samples_cache[(L, task)] = perplexity_text(lm.tokenizer, L - PPL_CONTINUATION - 1,
-                                                               PPL_CONTINUATION, cfg.samples, cfg.seed, kind=kind)
-                else:
-                    samples_cache[(L, task)] = make_samples(task, lm.tokenizer, L, cfg.samples, cfg.seed)
-            sample = samples_cache[(L, task)][i]
-            if task in PPL_TASKS:
-                recs = _run_ppl(lm, sample[0], sample[1], cfg.methods, cfg.ratios)
-            else:
-                recs = run_sample(lm, sample, cfg.methods, cfg.ratios)
-            with records_path.open("a") as f:
-                for r in recs:
-                    f.write(json.dumps(dict(model=model_name, length=L, task=task, sample=i, **r)) + "\n")
+        bar = tqdm(total=len(todo), desc=model_name, disable=not progress, unit="sample")
+        for L in cfg.lengths:
+            for task in cfg.tasks:
+                pending = [i for (L2, t, i) in todo if L2 == L and t == task]
+                if not pending:
+                    continue
+                bar.set_postfix_str(f"{task} @ {L}")
+                recs = _run_task(lm, model_name, task, L, pending, cfg, records_path)
+                with records_path.open("a") as f:
+                    for i, rs in recs.items():
+                        for r in rs:
+                            f.write(json.dumps(dict(model=model_name, length=L, task=task, sample=i, **r)) + "\n")
+                bar.update(len(pending))
+        bar.close()
     rows = aggregate(records_path, cfg)
     (cfg.out / "results.json").write_text(json.dumps(rows, indent=1))
     write_report(rows, cfg)
@@ -192,8 +225,7 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
 def aggregate(records_path: Path, cfg: EvalConfig) -> list[dict]:
     """One row per model x length x task x setting x method x keep ratio (means over samples)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for line in records_path.read_text().splitlines():
-        r = json.loads(line)
+    for r in _records(records_path):
         if r["model"] in cfg.models and r["length"] in cfg.lengths and r["task"] in cfg.tasks:
             groups[(r["model"], r["length"], r["task"], r["setting"], r["method"], r["keep_ratio"])].append(r)
     rows = []

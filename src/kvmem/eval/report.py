@@ -10,7 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-FULL_CACHE_MIN = 0.5  # a task the model cannot do with its full cache measures nothing
+from kvmem.eval.longctx import FULL_CACHE_MIN  # noqa: E402
+
 PPL_PREFIX = "ppl-"
 
 

@@ -1,0 +1,501 @@
+"""RULER-style long-context benchmark samples, QA over real text, and perplexity text.
+
+The synthetic tasks follow RULER (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your
+Long-Context Language Models?"); everything is generated offline and deterministically from a seed:
+
+- `niah-single-number` / `-word` / `-uuid`: one "special magic" needle hidden in a haystack of paper
+  abstracts; `niah-multikey` (4 keys, ask one), `niah-multivalue` (one key, 4 values, ask all),
+  `niah-multiquery` (4 keys, ask all).
+- `passkey`: the classic pass key hidden in repeated noise ("The grass is green. ...").
+- `variable-tracking`: follow a chain of `VAR X = VAR Y.` assignments, with a distractor chain.
+- `common-words`: name the 10 most frequent words of a long numbered word list.
+- `qa-abstracts`: name the method proposed in one abstract among many real abstracts.
+
+`perplexity_text` cuts token sequences from the same abstracts for recall / next-text perplexity.
+The haystack text is `data/abstracts.txt` (one abstract per line), shipped with the package.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kvmem.errors import KVMemError
+
+DATA_FILE = Path(__file__).parent / "data" / "abstracts.txt"
+NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+ADJECTIVES = tuple("""
+ancient angry bitter bold brave bright broad brown calm cheap clean clever cloudy cold cool crisp
+cruel curly damp dark dizzy dry dusty eager early empty fancy fierce flat fluffy fresh friendly
+fuzzy gentle giant glad golden grumpy happy heavy hollow honest huge humble icy jolly keen lazy
+little lively lonely loud lucky magic mellow messy mighty muddy narrow noisy odd orange pale
+patient plain polite proud purple quick quiet rapid rare rich rough round royal rusty sad salty
+sharp shiny shy silent silly slim slow smooth soft sour spicy steep sticky stormy strange sunny
+sweet swift tall tame tender thick thin tidy tiny wacky warm wet wild windy wise witty young
+""".split())
+NOUNS = tuple("""
+anchor apple badger bakery balloon banana barn basket beach beaver bicycle blanket bottle bridge
+bucket butter cabin camel candle canoe carrot castle cherry chimney cloud cobra comet cookie
+cottage cousin crayon dolphin donkey dragon drum eagle falcon feather ferry fiddle garden garlic
+giraffe glove goose guitar hammer harbor helmet honey island jacket jungle kettle kitten ladder
+lantern lemon lizard lobster meadow mirror monkey mountain muffin napkin needle nest ocean olive
+onion orchard otter owl paddle parrot peach pebble pencil pepper piano pillow pirate potato
+puppy rabbit raven ribbon river robin rocket saddle sailor salmon shovel squirrel sugar teapot
+tiger tomato tractor trumpet tulip turtle umbrella valley violin wagon walrus whistle window wizard
+""".split())
+MIN_CONTEXT_TOKENS = {"common-words": 768, "qa-abstracts": 1024}
+DEFAULT_MIN_CONTEXT_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt: `context + question + answer_prefix` is fed to the model, which continues it."""
+
+    task: str
+    context: str  # the long document; the part that gets compressed
+    question: str  # appended right after the context (starts with "\n"), includes the instruction
+    answer_prefix: str  # appended after the question; the model continues from here
+    answers: tuple[str, ...]  # every string the model should produce; score = fraction found
+    max_new_tokens: int  # enough greedy tokens to produce all answers
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@lru_cache(maxsize=1)
+def load_abstracts() -> tuple[str, ...]:
+    """The shipped abstracts, one string each."""
+    lines = DATA_FILE.read_text(encoding="utf-8").splitlines()
+    return tuple(line.strip() for line in lines if line.strip())
+
+
+@lru_cache(maxsize=1)
+def _sentences() -> tuple[tuple[str, ...], ...]:
+    """Each abstract split into sentences."""
+    split = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9(\"])")
+    return tuple(tuple(split.split(a)) for a in load_abstracts())
+
+
+@lru_cache(maxsize=1)
+def _corpus_words() -> frozenset[str]:
+    return frozenset(re.findall(r"[a-z]+", "\n".join(load_abstracts()).lower()))
+
+
+@lru_cache(maxsize=1)
+def _plain_nouns() -> tuple[str, ...]:
+    """Built-in nouns that never occur in the abstracts (safe needle values and common words)."""
+    return tuple(w for w in NOUNS if w not in _corpus_words())
+
+
+def _number(rng: random.Random, digits: int = 7) -> str:
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+
+
+def _distinct(make: Callable[[], str], k: int) -> list[str]:
+    out: list[str] = []
+    while len(out) < k:
+        value = make()
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+
+
+def _fit(tokenizer, build: Callable[[int], tuple[str, str, str]], target: int, max_units: int,
+         rate: float, task: str) -> tuple[str, str, str]:
+    """Largest k (found by interpolation, then bisection) whose build(k) is at most `target` tokens."""
+
+    def size(k: int) -> int:
+        return _count(tokenizer, "".join(build(k)))
+
+    lo, lo_n = 0, size(0)
+    if lo_n > target:
+        raise KVMemError(f"task {task!r}: context_tokens={target} is too small (needs > {lo_n})")
+    hi = max_units + 1  # smallest k known not to fit (or past the end)
+    for step in range(60):
+        if hi - lo <= 1 or lo_n >= 0.98 * target:
+            break
+        k = lo + max(1, int((0.99 * target - lo_n) / rate)) if step < 8 else (lo + hi) // 2
+        k = min(k, hi - 1)
+        n = size(k)
+        rate = max((n - lo_n) / (k - lo), 0.05)
+        if n <= target:
+            lo, lo_n = k, n
+        else:
+            hi = k
+    if lo_n < 0.9 * target:
+        raise KVMemError(f"task {task!r}: could only fill {lo_n} of context_tokens={target} "
+                         "(not enough filler text for this length)")
+    return build(lo)
+
+
+# --- haystacks -------------------------------------------------------------------------------
+
+Unit = tuple[int, str]  # (paragraph id, sentence)
+
+
+def _abstract_stream(rng: random.Random, min_words: int, pool: Sequence[int] | None = None,
+                     repeat: bool = True) -> list[Unit]:
+    """Sentences of the abstracts in a shuffled order (reshuffled and repeated if `repeat`)."""
+    pool = list(range(len(load_abstracts()))) if pool is None else list(pool)
+    units: list[Unit] = []
+    words, para = 0, 0
+    while words < min_words and (repeat or para == 0):
+        order = pool[:]
+        rng.shuffle(order)
+        for i in order:
+            units += [(para, s) for s in _sentences()[i]]
+            words += len(load_abstracts()[i].split())
+            para += 1
+            if words >= min_words:
+                break
+    return units
+
+
+def _noise_stream(min_words: int) -> list[Unit]:
+    words_per_round = sum(len(s.split()) for s in NOISE)
+    return [(0, s) for _ in range(min_words // words_per_round + 1) for s in NOISE]
+
+
+def _take_words(units: Sequence[Unit], n_words: int) -> list[Unit]:
+    """The first `n_words` words of `units`, cutting the last sentence if needed."""
+    out: list[Unit] = []
+    for para, sentence in units:
+        if n_words <= 0:
+            break
+        words = sentence.split()
+        out.append((para, sentence if len(words) <= n_words else " ".join(words[:n_words])))
+        n_words -= len(words)
+    return out
+
+
+def _render(units: Sequence[Unit], needles: Sequence[tuple[float, str]]) -> str:
+    """Join sentences (paragraphs split by blank lines), inserting each needle at its depth."""
+    slots: dict[int, list[str]] = {}
+    for depth, text in sorted(needles, key=lambda d: d[0]):  # stable: equal depths keep their order
+        slots.setdefault(round(depth * len(units)), []).append(text)
+    items: list[Unit] = []
+    for i in range(len(units) + 1):
+        para = units[max(i - 1, 0)][0] if units else 0
+        items += [(para, text) for text in slots.get(i, [])]
+        if i < len(units):
+            items.append(units[i])
+    parts: list[str] = []
+    for j, (para, text) in enumerate(items):
+        if j:
+            parts.append(" " if para == items[j - 1][0] else "\n\n")
+        parts.append(text)
+    return "".join(parts)
+
+
+def _needle_sample(task: str, rng: random.Random, tokenizer, target: int, needles: Sequence[tuple[float, str]],
+                   question: str, prefix: str, answers: Sequence[str], max_new: int, preamble: str,
+                   noise: bool = False) -> Sample:
+    units = _noise_stream(target + 100) if noise else _abstract_stream(rng, target + 100)
+    n_words = sum(len(s.split()) for _, s in units)
+
+    def build(k: int) -> tuple[str, str, str]:
+        return preamble + _render(_take_words(units, k), needles), question, prefix
+
+    context, _, _ = _fit(tokenizer, build, target, n_words, 1.4, task)
+    return Sample(task, context, question, prefix, tuple(answers), max_new)
+
+
+def _depths(rng: random.Random, k: int) -> list[float]:
+    return [rng.uniform(0.05, 0.95) for _ in range(k)]
+
+
+# --- tasks -----------------------------------------------------------------------------------
+
+def _niah_preamble(kind: str) -> str:
+    return (f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
+            f"I will quiz you about the {kind} afterwards.\n\n")
+
+
+def _niah_single(task: str, label: str, value: Callable[[random.Random, str], str], max_new: int):
+    def generate(rng: random.Random, tokenizer, target: int) -> Sample:
+        key = _key(rng)
+        val = value(rng, key)
+        needle = f"One of the special magic {label}s for {key} is: {val}."
+        question = f"\nWhat is the special magic {label} for {key} mentioned in the provided text?"
+        prefix = f" The special magic {label} for {key} mentioned in the provided text is"
+        return _needle_sample(task, rng, tokenizer, target, list(zip(_depths(rng, 1), [needle])), question,
+                              prefix, [val], max_new, _niah_preamble(f"{label}s"))
+
+    generate.__doc__ = f"RULER single needle; the value is a {label}."
+    return generate
+
+
+def _word_value(rng: random.Random, key: str) -> str:
+    return rng.choice([w for w in _plain_nouns() if w not in key.split("-")])
+
+
+def _uuid_value(rng: random.Random, key: str) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def niah_multikey(rng: random.Random, tokenizer, target: int) -> Sample:
+    """Four needles with different keys; ask for one of them."""
+    keys, nums = _distinct(lambda: _key(rng), 4), _distinct(lambda: _number(rng), 4)
+    needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, nums)]
+    q = rng.randrange(4)
+    return _needle_sample(
+        "niah-multikey", rng, tokenizer, target, list(zip(_depths(rng, 4), needles)),
+        f"\nWhat is the special magic number for {keys[q]} mentioned in the provided text?",
+        f" The special magic number for {keys[q]} mentioned in the provided text is",
+        [nums[q]], 16, _niah_preamble("numbers"))
+
+
+def niah_multivalue(rng: random.Random, tokenizer, target: int) -> Sample:
+    """Four needles with the same key and different numbers; ask for all of them."""
+    key, nums = _key(rng), _distinct(lambda: _number(rng), 4)
+    needles = [f"One of the special magic numbers for {key} is: {v}." for v in nums]
+    return _needle_sample(
+        "niah-multivalue", rng, tokenizer, target, list(zip(_depths(rng, 4), needles)),
+        f"\nWhat are all the special magic numbers for {key} mentioned in the provided text?",
+        f" The special magic numbers for {key} mentioned in the provided text are",
+        nums, 64, _niah_preamble("numbers"))
+
+
+def niah_multiquery(rng: random.Random, tokenizer, target: int) -> Sample:
+    """Four needles with different keys; ask for all four numbers."""
+    keys, nums = _distinct(lambda: _key(rng), 4), _distinct(lambda: _number(rng), 4)
+    needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, nums)]
+    listed = f"{', '.join(keys[:3])}, and {keys[3]}"
+    return _needle_sample(
+        "niah-multiquery", rng, tokenizer, target, list(zip(_depths(rng, 4), needles)),
+        f"\nWhat are all the special magic numbers for {listed} mentioned in the provided text?",
+        f" The special magic numbers for {listed} mentioned in the provided text are",
+        nums, 64, _niah_preamble("numbers"))
+
+
+def passkey(rng: random.Random, tokenizer, target: int) -> Sample:
+    """The pass key hidden in repeated noise sentences."""
+    key = _number(rng, 5)
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    preamble = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                "I will quiz you about the important information there.\n\n")
+    return _needle_sample("passkey", rng, tokenizer, target, list(zip(_depths(rng, 1), [needle])),
+                          "\nWhat is the pass key?", " The pass key is", [key], 16, preamble, noise=True)
+
+
+def variable_tracking(rng: random.Random, tokenizer, target: int) -> Sample:
+    """A chain of 4 variables holding one value, plus a distractor chain with another value."""
+    text = "\n".join(load_abstracts())
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    names = _distinct(lambda: "".join(rng.choice(letters) for _ in range(5)), 8)
+    while any(n in text for n in names):  # practically never: keep names absent from the filler
+        names = _distinct(lambda: "".join(rng.choice(letters) for _ in range(5)), 8)
+    value, other = _distinct(lambda: _number(rng, 5), 2)
+    needles: list[tuple[float, str]] = []
+    for chain, val in ((names[:4], value), (names[4:], other)):
+        statements = [f"VAR {chain[0]} = {val}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
+        needles += zip(sorted(_depths(rng, 4)), statements)
+    return _needle_sample(
+        "variable-tracking", rng, tokenizer, target, needles,
+        f"\nFind all variables that are assigned the value {value} in the text above.",
+        " Answer: According to the chain(s) of variable assignment in the text above, "
+        f"4 variables are assigned the value {value}, they are:",
+        names[:4], 40, "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n")
+
+
+def common_words(rng: random.Random, tokenizer, target: int) -> Sample:
+    """A numbered word list where 10 words appear 10-30 times each and the rest at most 3 times."""
+    common = rng.sample(_plain_nouns(), 10)
+    freq = min(30, max(10, target // 100))
+    rare = sorted(_corpus_words() - set(common) - set(NOUNS) - set(ADJECTIVES))
+    rare = [w for w in rare if 4 <= len(w) <= 12]
+    rng.shuffle(rare)
+    items = [w for w in rare for _ in range(rng.randint(1, 3))]
+    shuffle_seed = rng.getrandbits(64)
+    preamble = ("Below is a numbered list of words. In these words, some appear more often than others. "
+                "Memorize the ones that appear most often.\n")
+    question = "\nWhat are the 10 most common words in the above list?"
+    prefix = " Answer: The top 10 words that appear most often in the list are:"
+
+    def build(k: int) -> tuple[str, str, str]:
+        words = common * freq + items[:k]
+        random.Random(shuffle_seed).shuffle(words)
+        return preamble + " ".join(f"{i}. {w}" for i, w in enumerate(words, 1)), question, prefix
+
+    context, _, _ = _fit(tokenizer, build, target, len(items), 6.0, "common-words")
+    return Sample("common-words", context, question, prefix, tuple(common), 80)
+
+
+_VERB = re.compile(r"\b(?:we|this (?:paper|work))\s+(?:propose|introduce|present|develop|design)s?\s+"
+                   r"(?:(?:the|a|an)\s+)?", re.I)
+_CALLED = re.compile(r"\b(?:called|named|dubbed|termed)\s+(?:(?:the|a|an)\s+)?(\S+)", re.I)
+_PAREN = re.compile(r"\(([^()\s]+)\)")
+
+
+def _distinctive(word: str) -> bool:
+    """A name like EMAT, KVQuant, Q-Filters, 2DMSE: a digit, or an inner/all-caps capital in a part."""
+    if not re.fullmatch(r"[A-Za-z0-9][\w\-+.]*[A-Za-z0-9+]", word) or not re.search(r"[A-Za-z]", word):
+        return False
+    parts = [p for p in word.split("-") if p]
+    return any(c.isdigit() for c in word) or any(p.isupper() or any(c.isupper() for c in p[1:]) for p in parts)
+
+
+def _proposed_name(abstract: str) -> str | None:
+    """The name after "we propose/introduce/present ..." (directly, after "called", or in parentheses)."""
+    clean = lambda w: w.strip(".,;:!?\"'{}[]()")  # noqa: E731
+    for m in _VERB.finditer(abstract):
+        sentence = re.split(r"(?<=[.!?])\s", abstract[m.end():], maxsplit=1)[0]
+        words = sentence.split()
+        called = _CALLED.search(sentence)
+        paren = _PAREN.search(" ".join(words[:12]))
+        for found in (words[0] if words else "", called and called.group(1), paren and paren.group(1)):
+            if found and _distinctive(clean(found)):
+                return clean(found)
+    return None
+
+
+def _name_pattern(name: str) -> re.Pattern:
+    return re.compile(rf"(?<![\w-]){re.escape(name)}(?![\w-])", re.I)
+
+
+@lru_cache(maxsize=1)
+def qa_candidates() -> tuple[tuple[int, str], ...]:
+    """(abstract index, proposed name) pairs usable as QA targets. The name has at least 4 characters
+    and is not inside a longer corpus word (scoring is by substring: "TP" is in "output", "PROP" in
+    "propose"); it is rare (at most 2 other abstracts, kept out of the context) and not in the first
+    12 words of its abstract (the question quotes them)."""
+    abstracts = load_abstracts()
+    lowered = [a.lower() for a in abstracts]
+    words = set(re.findall(r"[a-z0-9]+", "\n".join(lowered)))
+    out = []
+    for i, text in enumerate(abstracts):
+        name = _proposed_name(text)
+        if name is None or len(name) < 4 or any(name.lower() in w and name.lower() != w for w in words):
+            continue
+        pattern = _name_pattern(name)
+        others = sum(1 for j, other in enumerate(lowered) if j != i and name.lower() in other and pattern.search(other))
+        if others <= 2 and not pattern.search(" ".join(text.split()[:12])):
+            out.append((i, name))
+    return tuple(out)
+
+
+def qa_abstracts(rng: random.Random, tokenizer, target: int) -> Sample:
+    """Name the method proposed in one abstract hidden among many others."""
+    abstracts = load_abstracts()
+    index, name = rng.choice([c for c in qa_candidates() if len(abstracts[c[0]]) <= 2 * target])
+    pattern = _name_pattern(name)
+    pool = [i for i, text in enumerate(abstracts) if i != index and not pattern.search(text)]
+    units = _abstract_stream(rng, 10**9, pool=pool, repeat=False)  # every other abstract once, shuffled
+    depth = rng.uniform(0.05, 0.95)
+    opening = " ".join(abstracts[index].split()[:12])
+    question = (f"\nIn the abstract that begins \"{opening}\", what is the name of the method or system "
+                "the authors propose?")
+    prefix = " The authors propose"
+    preamble = "Below are abstracts of research papers. Read them carefully; a question follows.\n\n"
+
+    def build(k: int) -> tuple[str, str, str]:
+        paragraphs: list[list[str]] = []
+        last = None
+        for para, sentence in _take_words(units, k):
+            if para != last:
+                paragraphs.append([])
+                last = para
+            paragraphs[-1].append(sentence)
+        texts = [" ".join(p) for p in paragraphs]
+        texts.insert(round(depth * len(texts)), abstracts[index])
+        body = "\n\n".join(f"Abstract {i}: {t}" for i, t in enumerate(texts, 1))
+        return preamble + body, question, prefix
+
+    n_words = sum(len(s.split()) for _, s in units)
+    context, _, _ = _fit(tokenizer, build, target, n_words, 1.4, "qa-abstracts")
+    return Sample("qa-abstracts", context, question, prefix, (name,), 24)
+
+
+TASKS: dict[str, Callable[[random.Random, object, int], Sample]] = {
+    "niah-single-number": _niah_single("niah-single-number", "number", lambda rng, key: _number(rng), 16),
+    "niah-single-word": _niah_single("niah-single-word", "word", _word_value, 16),
+    "niah-single-uuid": _niah_single("niah-single-uuid", "uuid", _uuid_value, 48),
+    "niah-multikey": niah_multikey,
+    "niah-multivalue": niah_multivalue,
+    "niah-multiquery": niah_multiquery,
+    "passkey": passkey,
+    "variable-tracking": variable_tracking,
+    "common-words": common_words,
+    "qa-abstracts": qa_abstracts,
+}
+
+
+def make_samples(task: str, tokenizer, context_tokens: int, n: int, seed: int = 0) -> list[Sample]:
+    """`n` samples of `task` whose context+question+answer_prefix is 90-100% of `context_tokens` tokens.
+
+    Sample i depends only on (task, seed, i, context_tokens, tokenizer), not on `n`."""
+    if task not in TASKS:
+        raise KVMemError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+    minimum = MIN_CONTEXT_TOKENS.get(task, DEFAULT_MIN_CONTEXT_TOKENS)
+    if context_tokens < minimum:
+        raise KVMemError(f"task {task!r} needs context_tokens >= {minimum} (got {context_tokens})")
+    if n < 0:
+        raise KVMemError(f"n must be >= 0 (got {n})")
+    return [TASKS[task](random.Random(f"{task}:{seed}:{i}"), tokenizer, context_tokens) for i in range(n)]
+
+
+def _normalize(text: str) -> str:
+    return " ".join(text.casefold().split())
+
+
+def score(sample: Sample, output: str) -> float:
+    """Fraction of `sample.answers` found in `output` (case-insensitive, whitespace-normalized)."""
+    if not sample.answers:
+        return 0.0
+    out = _normalize(output)
+    return sum(_normalize(a) in out for a in sample.answers) / len(sample.answers)
+
+
+def perplexity_text(tokenizer, context_tokens: int, continuation_tokens: int, n: int, seed: int = 0,
+                    kind: str = "recall") -> list[tuple[list[int], list[int]]]:
+    """`n` (context_ids, continuation_ids) pairs cut from shuffled abstracts joined by blank lines.
+
+    kind="recall": the continuation repeats the context from the "\\n\\n" before an abstract that starts
+    in the first half (a model with the whole cache can copy it). kind="next": the continuation is the
+    abstracts that follow the context (none of them is in it). Token ids carry no special tokens."""
+    if kind not in ("recall", "next"):
+        raise KVMemError(f"unknown perplexity kind {kind!r}; use 'recall' or 'next'")
+    if context_tokens < 1 or continuation_tokens < 1 or n < 0:
+        raise KVMemError("context_tokens and continuation_tokens must be >= 1 and n >= 0")
+    if kind == "recall" and continuation_tokens > context_tokens // 2:
+        raise KVMemError("recall needs continuation_tokens <= context_tokens // 2")
+    abstracts = load_abstracts()
+    first = tokenizer(list(abstracts), add_special_tokens=False).input_ids
+    later = tokenizer(["\n\n" + a for a in abstracts], add_special_tokens=False).input_ids
+    out = []
+    for i in range(n):
+        rng = random.Random(f"perplexity:{seed}:{i}")
+        order = list(range(len(abstracts)))
+        rng.shuffle(order)
+        ids: list[int] = []
+        starts: list[int] = []
+        for j, a in enumerate(order):
+            starts.append(len(ids))
+            ids += later[a] if j else first[a]
+            after = next((s for s in starts if s >= context_tokens), len(ids))
+            if len(ids) >= context_tokens and (kind == "recall" or len(ids) - after >= continuation_tokens):
+                break
+        else:
+            raise KVMemError(f"perplexity_text: the abstracts hold only {len(ids)} tokens, too few for "
+                             f"context_tokens={context_tokens} plus the continuation")
+        context = ids[:context_tokens]
+        if kind == "next":
+            out.append((context, ids[after:after + continuation_tokens]))
+            continue
+        half = context_tokens // 2
+        valid = [s for j, s in enumerate(starts) if j and s + min(len(later[order[j]]), continuation_tokens) <= half]
+        if not valid:
+            raise KVMemError(f"perplexity_text: context_tokens={context_tokens} is too short for recall")
+        start = rng.choice(valid)
+        out.append((context, ids[start:start + continuation_tokens]))
+    return out

@@ -1,0 +1,163 @@
+"""Benchmark sample generators: lengths, answers in context, determinism, scoring, perplexity text."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmem.eval.tasks import TASKS, Sample, load_abstracts, make_samples, perplexity_text, qa_candidates, score
+
+TOKENIZER_DIR = os.path.expanduser("~/.cache/kvmem/models/smollm2-135m")
+LENGTH = 1024
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not os.path.isdir(TOKENIZER_DIR):
+        pytest.skip(f"no converted model at {TOKENIZER_DIR}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer) -> dict[str, list[Sample]]:
+    return {task: make_samples(task, tokenizer, LENGTH, 2, seed=0) for task in TASKS}
+
+
+def n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def test_task_names():
+    assert set(TASKS) == {
+        "niah-single-number", "niah-single-word", "niah-single-uuid", "niah-multikey", "niah-multivalue",
+        "niah-multiquery", "passkey", "variable-tracking", "common-words", "qa-abstracts",
+    }
+
+
+def test_abstracts_shipped():
+    abstracts = load_abstracts()
+    assert len(abstracts) == len(set(abstracts)) == 418
+    assert len(qa_candidates()) >= 50
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_length_and_answers(task, samples, tokenizer):
+    for s in samples[task]:
+        assert s.task == task
+        total = n_tokens(tokenizer, s.context + s.question + s.answer_prefix)
+        assert 0.9 * LENGTH <= total <= LENGTH
+        assert s.question.startswith("\n") and s.answers and all(s.answers) and s.max_new_tokens > 0
+        for answer in s.answers:
+            if task == "common-words":
+                assert len(re.findall(rf"\d+\. {answer}\b", s.context)) >= 10
+            elif task == "variable-tracking":
+                assert f"VAR {answer} = " in s.context
+            else:
+                assert answer in s.context
+
+
+def test_needle_values(samples):
+    number = samples["niah-single-number"][0]
+    assert re.fullmatch(r"\d{7}", number.answers[0])
+    uuid = samples["niah-single-uuid"][0]
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", uuid.answers[0])
+    word = samples["niah-single-word"][0]
+    assert word.answers[0].isalpha() and word.answers[0].islower() and word.answers[0] not in word.question
+    assert re.fullmatch(r"\d{5}", samples["passkey"][0].answers[0])
+    assert len(set(samples["niah-multivalue"][0].answers)) == 4
+    assert len(set(samples["niah-multiquery"][0].answers)) == 4
+
+
+def test_variable_tracking_chain(samples):
+    s = samples["variable-tracking"][0]
+    names = s.answers
+    value = re.search(r"value (\d{5})", s.question).group(1)
+    assert all(re.fullmatch(r"[A-Z]{5}", n) for n in names)
+    assert f"VAR {names[0]} = {value}." in s.context
+    positions = [s.context.index(f"VAR {n} = ") for n in names]
+    assert positions == sorted(positions)
+    assert len(re.findall(r"VAR [A-Z]{5} = \d{5}\.", s.context)) == 2  # plus one distractor chain
+
+
+def test_common_words_rare_words_are_rare(samples):
+    s = samples["common-words"][0]
+    counts: dict[str, int] = {}
+    for word in re.findall(r"\d+\. (\w+)", s.context):
+        counts[word] = counts.get(word, 0) + 1
+    top = sorted(counts, key=counts.get, reverse=True)[:10]
+    assert set(top) == set(s.answers)
+    assert max(c for w, c in counts.items() if w not in s.answers) <= 3
+
+
+def test_qa_target_name_unique(samples):
+    for s in samples["qa-abstracts"]:
+        name = s.answers[0]
+        paragraphs = [p for p in s.context.split("\n\n") if p.startswith("Abstract ")]
+        assert sum(name.lower() in p.lower() for p in paragraphs) == 1
+        opening = re.search(r'begins "(.*)"', s.question).group(1)
+        assert any(opening in p for p in paragraphs)
+
+
+def test_depths_vary(tokenizer):
+    found = [s.context.index(s.answers[0]) / len(s.context) for s in make_samples("passkey", tokenizer, 512, 6)]
+    assert max(found) - min(found) > 0.3
+
+
+def test_deterministic(samples, tokenizer):
+    for task in ("niah-multikey", "variable-tracking", "common-words", "qa-abstracts"):
+        assert make_samples(task, tokenizer, LENGTH, 2, seed=0) == samples[task]
+        assert make_samples(task, tokenizer, LENGTH, 2, seed=1) != samples[task]
+    # sample i does not depend on n
+    assert make_samples("passkey", tokenizer, LENGTH, 1)[0] == samples["passkey"][0]
+
+
+def test_errors(tokenizer):
+    with pytest.raises(ValueError, match="known tasks: .*passkey"):
+        make_samples("no-such-task", tokenizer, LENGTH, 1)
+    with pytest.raises(ValueError, match="256"):
+        make_samples("passkey", tokenizer, 100, 1)
+    with pytest.raises(ValueError, match="1024"):
+        make_samples("qa-abstracts", tokenizer, 600, 1)
+    with pytest.raises(ValueError):
+        perplexity_text(tokenizer, 512, 64, 1, kind="nope")
+
+
+def test_score(samples):
+    single = samples["niah-single-number"][0]
+    multi = samples["niah-multivalue"][0]
+    assert score(single, f"  {single.answers[0]}.") == 1.0
+    assert score(single, "") == 0.0
+    assert score(multi, "") == 0.0
+    assert score(multi, " ".join(multi.answers)) == 1.0
+    assert score(multi, f"{multi.answers[0]}, {multi.answers[2]}") == 0.5
+    words = samples["common-words"][0]
+    assert score(words, " ".join(a.upper() for a in words.answers[:3])) == pytest.approx(0.3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(answers=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=5), output=st.text(max_size=40))
+def test_score_property(answers, output):
+    sample = Sample("t", "", "\n?", "", tuple(answers), 8)
+    assert 0.0 <= score(sample, output) <= 1.0
+    assert score(sample, " ".join(answers)) == 1.0
+
+
+@pytest.mark.parametrize("kind", ["recall", "next"])
+def test_perplexity_text(tokenizer, kind):
+    pairs = perplexity_text(tokenizer, 1024, 128, 3, seed=0, kind=kind)
+    assert len(pairs) == 3
+    for context, continuation in pairs:
+        assert len(context) == 1024 and len(continuation) == 128
+        context_text, continuation_text = tokenizer.decode(context), tokenizer.decode(continuation)
+        assert continuation_text.startswith("\n\n")
+        assert (continuation_text in context_text) == (kind == "recall")
+        if kind == "recall":
+            assert context_text.index(continuation_text) < len(context_text) // 2
+    assert perplexity_text(tokenizer, 1024, 128, 3, seed=0, kind=kind) == pairs
+    assert perplexity_text(tokenizer, 1024, 128, 3, seed=1, kind=kind) != pairs
