@@ -24,8 +24,9 @@ test: setup
 
 # The committed long-context report (hours on 2 CPU cores): see README "Results".
 bench: setup
-	$(KVMEM) eval --models smollm2-135m,gemma3-270m --lengths 4096 --out results/longctx
-	$(KVMEM) eval --models smollm2-135m --lengths 8192 --out results/longctx
+	$(KVMEM) eval --models smollm2-135m --lengths 4096 --samples 3 --threads 1 --out results/longctx
+	$(KVMEM) eval --models gemma3-270m --lengths 4096 --samples 3 --threads 1 --out results/longctx
+	$(KVMEM) eval --models smollm2-135m --lengths 8192 --samples 2 --threads 1 --out results/longctx
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

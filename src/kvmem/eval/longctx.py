@@ -223,18 +223,17 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
 
 
 def aggregate(records_path: Path, cfg: EvalConfig) -> list[dict]:
-    """One row per model x length x task x setting x method x keep ratio (means over samples)."""
+    """One row per model x length x task x setting x method x keep ratio (means over samples), from every
+    record in the folder, so runs of different models and lengths into one folder make one report."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in _records(records_path):
-        if r["model"] in cfg.models and r["length"] in cfg.lengths and r["task"] in cfg.tasks:
-            groups[(r["model"], r["length"], r["task"], r["setting"], r["method"], r["keep_ratio"])].append(r)
+    records = _records(records_path)
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    for r in records:
+        groups[(r["model"], r["length"], r["task"], r["setting"], r["method"], r["keep_ratio"])].append(r)
     rows = []
     commit = git_commit()
     for (model, length, task, setting, method, ratio), rs in sorted(groups.items()):
-        targets = [method] if method != "full" else [m for m in cfg.methods]  # ratio 1.0 == full for all
-        for m in targets:
-            if m not in cfg.methods:
-                continue
+        for m in ([method] if method != "full" else methods):  # keep ratio 1.0 is the full cache for all
             rows.append(dict(
                 model=model, length=length, task=task, setting=setting, method=m, keep_ratio=ratio,
                 score=sum(r["score"] for r in rs) / len(rs), n=len(rs),

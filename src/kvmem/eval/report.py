@@ -13,6 +13,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kvmem.eval.longctx import FULL_CACHE_MIN  # noqa: E402
 
 PPL_PREFIX = "ppl-"
+BENCH_COMMANDS = (  # keep in sync with the Makefile's bench target
+    "kvmem eval --models smollm2-135m --lengths 4096 --samples 3 --threads 1 --out results/longctx",
+    "kvmem eval --models gemma3-270m --lengths 4096 --samples 3 --threads 1 --out results/longctx",
+    "kvmem eval --models smollm2-135m --lengths 8192 --samples 2 --threads 1 --out results/longctx",
+)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -34,14 +39,13 @@ def write_report(rows: list[dict], cfg) -> Path:
     lines = [
         "# kvmem long-context benchmark",
         "",
-        "Regenerate with:",
+        "Regenerate with `make bench`, which runs (each resumes from the records already in the folder):",
         "",
         "```",
-        f"kvmem eval --models {','.join(cfg.models)} --lengths {','.join(map(str, cfg.lengths))} "
-        f"--samples {cfg.samples} --out {out}",
+        *BENCH_COMMANDS,
         "```",
         "",
-        f"Samples per task and length: {cfg.samples}. Keep ratio = fraction of context tokens kept per head; "
+        "Samples per task: see `n` in results.json. Keep ratio = fraction of context tokens kept per head; "
         "`kept` below is the measured fraction of KV bytes held after compression. Keep ratio 1.0 is the full "
         "cache for every method. Scores are the fraction of expected answer strings in the greedy output "
         "(RULER string match); perplexity tasks report perplexity (lower is better).",
