@@ -128,14 +128,15 @@ class KVLayer(CacheLayerMixin):
     def _append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """Append `keys`/`values` (H, Q, D) at `positions` (Q,) to every head, growing buffers by _GROW."""
         q = keys.shape[1]
+        grow = q + (_GROW if max(self._n) else 0)  # a prefill into an empty layer is stored exactly
         if self.dense:
             n = self._n[0]
             if n + q > self._k.shape[1]:
-                self._set_rows(self.head_keys, self.head_values, self.head_positions, spare=q + _GROW)
+                self._set_rows(self.head_keys, self.head_values, self.head_positions, spare=grow)
             self._k[:, n:n + q], self._v[:, n:n + q], self._p[:, n:n + q] = keys, values, positions
         else:
             if any(n + q > k.shape[0] for n, k in zip(self._n, self._k)):
-                self._set_rows(self.head_keys, self.head_values, self.head_positions, spare=q + _GROW)
+                self._set_rows(self.head_keys, self.head_values, self.head_positions, spare=grow)
             for h, n in enumerate(self._n):
                 self._k[h][n:n + q], self._v[h][n:n + q], self._p[h][n:n + q] = keys[h], values[h], positions
         self._n = [n + q for n in self._n]
@@ -352,10 +353,22 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def check_supported(model) -> None:
-    """Run 3 tokens through the model with a KVCache and check every layer went through kvmem's path."""
-    cache = KVCache(model.config, observe_window=1)
-    with torch.no_grad():
-        model(input_ids=torch.tensor([[1, 2, 3]], device=model.device), cache=cache, use_cache=True)
+    """Probe the model with 3 tokens: it must be causal (changing the last token leaves the earlier
+    logits alone) and every layer must go through kvmem's cache and attention."""
+    try:
+        with torch.no_grad():
+            a = model(input_ids=torch.tensor([[1, 2, 3]], device=model.device)).logits[0, :2]
+            b = model(input_ids=torch.tensor([[1, 2, 4]], device=model.device)).logits[0, :2]
+        if not torch.allclose(a, b, atol=1e-4):
+            raise KVMemError(f"{type(model).__name__} is not causal (a decoder-only LM); kvmem cannot cache it")
+        cache = KVCache(model.config, observe_window=1)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2, 3]], device=model.device), cache=cache, use_cache=True)
+    except KVMemError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure here means the architecture is not one kvmem can drive
+        raise KVMemError(f"{type(model).__name__} is unsupported: a probe forward with a kvmem cache failed "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     missing = [i for i, layer in enumerate(cache.layers) if layer.recent_queries is None]
     if missing:
         raise KVMemError(

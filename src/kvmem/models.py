@@ -143,7 +143,7 @@ def fingerprint(model: torch.nn.Module, tokenizer, weights_hash: str) -> str:
         "model_type": cfg.model_type,
         "layers": cfg.num_hidden_layers,
         "heads": cfg.num_attention_heads,
-        "kv_heads": cfg.num_key_value_heads,
+        "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
         "head_dim": getattr(cfg, "head_dim", None),
         "hidden": cfg.hidden_size,
     }
@@ -182,8 +182,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
     except ValueError as e:
         raise KVMemError(f"{name_or_path!r} is not a supported decoder-only causal LM ({str(e).splitlines()[0]})") from None
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     check_supported(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise KVMemError(f"cannot load a tokenizer for {name_or_path!r}: {str(e).splitlines()[0]}") from None
     text_cfg = model.config.get_text_config()
     return LoadedModel(
         name=name_or_path,

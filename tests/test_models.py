@@ -1,0 +1,103 @@
+"""The embedded models: loading, conversion cache, fingerprints, bit-identity, errors (real weights)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel, DynamicCache, T5Config
+
+from kvmem.cache import KVCache
+from kvmem.compress import compress, get_method
+from kvmem.errors import KVMemError
+from kvmem.generate import decode, feed
+from kvmem.models import cache_dir, load_model
+
+
+def greedy_answer(lm, prompt: str, n: int = 8) -> str:
+    cache = KVCache(lm.model.config)
+    logits = feed(lm, cache, lm.tokenizer(prompt).input_ids)
+    return lm.tokenizer.decode(decode(lm, cache, logits, n))
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_embedded_models_answer(name, request):
+    lm = request.getfixturevalue(name)
+    prompt = "The capital of Germany is Berlin. The capital of Italy is Rome. The capital of France is"
+    assert "Paris" in greedy_answer(lm, prompt)
+    assert len(lm.fingerprint) == 16
+
+
+def test_fingerprints_differ_and_are_stable(smollm2, gemma3):
+    assert smollm2.fingerprint != gemma3.fingerprint
+    meta = cache_dir() / "models" / "smollm2-135m" / "kvmem.json"
+    stamp = meta.stat().st_mtime
+    again = load_model("smollm2-135m")  # from the conversion cache: no new conversion
+    assert again.fingerprint == smollm2.fingerprint
+    assert meta.stat().st_mtime == stamp
+    assert len(json.loads(meta.read_text())["weights_sha256"]) == 64
+
+
+@pytest.mark.parametrize("name,n_tokens", [("smollm2", 80), ("gemma3", 600)])  # gemma: past its 512 window
+def test_keep_all_is_bit_identical_on_real_models(name, n_tokens, request):
+    lm = request.getfixturevalue(name)
+    text = open(__file__).read() * 3
+    ids = lm.tokenizer(text).input_ids[:n_tokens]
+    with torch.no_grad():
+        dyn = DynamicCache(config=lm.model.config)
+        kw = dict(cache=dyn, use_cache=True, logits_to_keep=1)
+        expected = [lm.model(input_ids=torch.tensor([ids]), **kw).logits[0, -1]]
+        for _ in range(4):
+            tok = torch.tensor([[int(expected[-1].argmax())]])
+            expected.append(lm.model(input_ids=tok, **kw).logits[0, -1])
+    cache = KVCache(lm.model.config, track_attention=True)
+    got = [feed(lm, cache, ids)]
+    compress(cache, get_method("snapkv"), 1.0)  # keep ratio 1.0: nothing evicted, nothing changed
+    for _ in range(4):
+        got.append(feed(lm, cache, [int(got[-1].argmax())]))
+    assert torch.equal(torch.stack(got), torch.stack(expected))
+
+
+def test_hf_generate_matches_kvmem_decode_after_compression(smollm2):
+    lm = smollm2
+    ids = lm.tokenizer("Alice has 3 cats. Bob has 5 dogs. " * 20 + "How many cats does Alice have? Alice has").input_ids
+    base = KVCache(lm.model.config)
+    feed(lm, base, ids[:-1])
+    compress(base, get_method("knorm"), 0.5)
+    ours = base.clone()
+    logits = feed(lm, ours, ids[-1:])
+    expected = decode(lm, ours, logits, 6, stop_at_newline=False)
+    out = lm.model.generate(torch.tensor([ids]), cache=base.clone(), max_new_tokens=6, do_sample=False)
+    assert out[0, len(ids):].tolist() == expected
+
+
+def test_decode_time_recompression_bounds_the_cache(smollm2):
+    lm = smollm2
+    cache = KVCache(lm.model.config, observe_window=64)
+    logits = feed(lm, cache, lm.tokenizer("Once upon a time, " * 10).input_ids)
+    decode(lm, cache, logits, 12, stop_at_newline=False, method=get_method("tova"), max_tokens=30, every=4)
+    assert max(max(lens) for lens in cache.tokens_held()) <= 30 + 4
+
+
+def test_context_too_long_is_a_clear_error(smollm2):
+    small = dataclasses.replace(smollm2, max_context=16)
+    with pytest.raises(KVMemError, match="context too long"):
+        feed(small, KVCache(small.model.config), list(range(1, 20)))
+
+
+def test_unknown_and_unsupported_models(tmp_path):
+    with pytest.raises(KVMemError, match="unknown model"):
+        load_model("gpt-17")
+    with pytest.raises(KVMemError, match="config"):
+        load_model(str(tmp_path))
+    bert = tmp_path / "bert"
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)).save_pretrained(bert)
+    with pytest.raises(KVMemError, match="not causal|unsupported|not a supported"):
+        load_model(str(bert))
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=32).save_pretrained(t5)
+    with pytest.raises(KVMemError, match="encoder-decoder"):
+        load_model(str(t5))
