@@ -23,6 +23,15 @@ app = typer.Typer(
 console = Console()
 
 
+@app.callback()
+def _quiet() -> None:
+    """Keep the terminal for kvmem's own output: no weight-loading progress bars from transformers."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def clean_errors(fn):
     """Bad input ends in one line naming the problem, not a traceback."""
 
@@ -31,7 +40,7 @@ def clean_errors(fn):
         try:
             return fn(*args, **kwargs)
         except (KVMemError, FileNotFoundError, IsADirectoryError) as e:
-            console.print(f"[red]error:[/red] {e}", highlight=False)
+            console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
             sys.exit(2)
 
     return wrapper
@@ -60,7 +69,7 @@ def demo(
     methods = ["full", "streaming-llm", "h2o", "snapkv", "tova", "knorm", "random"]
     lm = load_model(model)
     console.print(f"model [bold]{lm.name}[/bold] (fingerprint {lm.fingerprint}), keep ratio {keep_ratio}")
-    for task in ("niah-single-number", "qa-abstracts"):
+    for task in ("niah-single-number", "niah-single-word"):
         sample = make_samples(task, lm.tokenizer, length, 1, seed=7)[0]
         console.rule(f"{task}: {length}-token document")
         console.print(f"question:{sample.question}{sample.answer_prefix} …   [dim](expected: {', '.join(sample.answers)})[/dim]")

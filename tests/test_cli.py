@@ -1,0 +1,72 @@
+"""The command line: clear one-line errors for bad input, and real runs on the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvmem.cli import app
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_methods_lists_all_seven():
+    out = run("methods").output
+    for name in ("full", "random", "streaming-llm", "h2o", "snapkv", "tova", "knorm"):
+        assert f"{name}:" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["generate", "--prompt", "hi", "--method", "snapkv2"], "unknown method 'snapkv2'"),
+        (["generate", "--prompt", "hi", "--keep-ratio", "0"], "keep ratio must be in (0, 1]"),
+        (["generate", "--prompt", "hi", "--keep-ratio", "1.5"], "keep ratio must be in (0, 1]"),
+        (["generate", "--prompt", "hi", "--method", "full", "--keep-ratio", "0.5"], "'full' keeps every token"),
+        (["generate", "--prompt", "hi", "--context-file", "/no/such/file.txt"], "No such file"),
+        (["generate", "--prompt", "hi", "--model", "gpt-17"], "unknown model 'gpt-17'"),
+        (["eval", "--tasks", "niah-42"], "unknown task 'niah-42'"),
+        (["eval", "--ratios", "0.5,abc"], "comma-separated list of float"),
+        (["eval", "--lengths", "99999", "--tasks", "passkey"], "longer than smollm2-135m allows"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, message, tmp_path):
+    if args[0] == "eval":
+        args = [*args, "--out", str(tmp_path)]
+    result = run(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_generate_reads_a_context_file(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Notes from the trip. " * 30 + "The meeting point is the old lighthouse. " + "We walked a lot. " * 30)
+    result = run("generate", "--context-file", str(doc), "--prompt", "Where is the meeting point? The meeting point is",
+                 "--method", "snapkv", "--keep-ratio", "0.5", "--query-aware", "--max-new-tokens", "8")
+    assert result.exit_code == 0, result.output
+    assert "lighthouse" in result.output
+    assert "KV held" in result.output
+
+
+def test_eval_writes_results_report_and_plot(tmp_path):
+    result = run("eval", "--lengths", "512", "--samples", "1", "--tasks", "passkey,ppl-next",
+                 "--methods", "full,knorm,streaming-llm", "--ratios", "1.0,0.5", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "results.json").read_text())
+    keys = {(r["task"], r["setting"], r["method"], r["keep_ratio"]) for r in rows}
+    assert ("passkey", "agnostic", "knorm", 0.5) in keys and ("passkey", "aware", "streaming-llm", 1.0) in keys
+    for r in rows:
+        assert r["kv_bytes"] > 0 and 0 < r["fraction_kept"] <= 1.0
+        if r["keep_ratio"] == 0.5:
+            assert r["fraction_kept"] < 0.7
+    report = (tmp_path / "report.md").read_text()
+    assert "Full-cache score per task" in report
+    assert list(tmp_path.glob("score_vs_kept_*.png"))
