@@ -40,7 +40,7 @@ def group(attn, h):
 def test_h2o_scores_are_accumulated_attention(prefilled):
     cache, attn = prefilled
     for layer in LAYERS:
-        for view in head_views(cache, layer):
+        for view in head_views(cache.layers[layer], layer):
             expected = group(attn[layer], view.head).sum(dim=1).mean(dim=0)  # column sums over all queries
             torch.testing.assert_close(get_method("h2o").score(view), expected, atol=2e-4, rtol=1e-3)
 
@@ -48,7 +48,7 @@ def test_h2o_scores_are_accumulated_attention(prefilled):
 def test_snapkv_scores_are_pooled_window_votes(prefilled):
     cache, attn = prefilled
     for layer in LAYERS:
-        for view in head_views(cache, layer):
+        for view in head_views(cache.layers[layer], layer):
             votes = group(attn[layer], view.head)[:, -32:, :].sum(dim=1).mean(dim=0)[:-32]
             expected = F.max_pool1d(votes[None, None], 7, stride=1, padding=3)[0, 0]
             score = get_method("snapkv").score(view)
@@ -59,7 +59,7 @@ def test_snapkv_scores_are_pooled_window_votes(prefilled):
 def test_tova_scores_are_last_token_attention_averaged_over_the_layers_heads(prefilled):
     cache, attn = prefilled
     for layer in LAYERS:
-        scores = get_method("tova").score_layer(head_views(cache, layer))
+        scores = get_method("tova").score_layer(head_views(cache.layers[layer], layer))
         expected = attn[layer][:, -1, :].mean(dim=0)
         for s in scores:
             torch.testing.assert_close(s, expected, atol=2e-5, rtol=1e-3)
@@ -88,7 +88,7 @@ def test_streaming_llm_keeps_sinks_and_recent(prefilled):
 
 def test_h2o_keeps_recent_half_plus_heavy_hitters(prefilled):
     cache = prefilled[0].clone()
-    heavy_scores = [get_method("h2o").score(v) for v in head_views(cache, 7)]
+    heavy_scores = [get_method("h2o").score(v) for v in head_views(cache.layers[7], 7)]
     compress(cache, get_method("h2o"), 0.2)
     n_keep = math.ceil(0.2 * N_CTX)
     n_recent = n_keep // 2

@@ -10,7 +10,7 @@ import torch
 from transformers import BertConfig, BertModel, DynamicCache, T5Config
 
 from kvmem.cache import KVCache
-from kvmem.compress import compress, get_method
+from kvmem.compress import Compressor, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.generate import decode, feed
 from kvmem.models import cache_dir, load_model
@@ -101,3 +101,28 @@ def test_unknown_and_unsupported_models(tmp_path):
     T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=32).save_pretrained(t5)
     with pytest.raises(KVMemError, match="encoder-decoder"):
         load_model(str(t5))
+
+
+def test_hf_generate_compresses_by_itself_with_a_compressor(smollm2):
+    """A Compressor in the cache compresses each layer right after its prefill attention: the same
+    tokens and the same output as prefilling, compressing the whole cache, then generating."""
+    lm = smollm2
+    ids = lm.tokenizer("Alice has 3 cats. Bob has 5 dogs. " * 20 + "How many dogs does Bob have? Bob has").input_ids
+    cache = KVCache(lm.model.config, compressor=Compressor(get_method("snapkv"), 0.3))
+    out = lm.model.generate(torch.tensor([ids]), cache=cache, max_new_tokens=5, do_sample=False)[0, len(ids):].tolist()
+
+    manual = KVCache(lm.model.config)
+    logits = feed(lm, manual, ids)
+    compress(manual, get_method("snapkv"), 0.3)
+    assert decode(lm, manual, logits, 5, stop_at_newline=False) == out
+    assert cache.tokens_held() == manual.tokens_held()
+    assert cache.kv_bytes() == manual.kv_bytes() and KVCache(lm.model.config).kv_bytes() == 0
+
+
+def test_compressor_every_n_steps_keeps_the_prefill_budget(smollm2):
+    lm = smollm2
+    ids = lm.tokenizer("Once upon a time, " * 10).input_ids
+    cache = KVCache(lm.model.config, compressor=Compressor(get_method("knorm"), 0.5, every=3))
+    lm.model.generate(torch.tensor([ids]), cache=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    budget = -(-len(ids) // 2)  # ceil(0.5 * prompt)
+    assert max(max(lens) for lens in cache.tokens_held()) <= budget + 3

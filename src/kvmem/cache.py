@@ -66,8 +66,11 @@ class KVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, sliding_window: int | None = None, observe_window: int = 64, track_attention: bool = False):
+    def __init__(self, sliding_window: int | None = None, observe_window: int = 64, track_attention: bool = False,
+                 layer_idx: int = 0, compressor=None):
         self.is_initialized = False
+        self.layer_idx = layer_idx
+        self.compressor = compressor  # called after each forward's attention (see compress.Compressor)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.observe_window = observe_window
@@ -227,7 +230,7 @@ class KVLayer(CacheLayerMixin):
         return self.sliding_window or -1
 
     def reset(self) -> None:
-        self.__init__(self.sliding_window, self.observe_window, self.track_attention)
+        self.__init__(self.sliding_window, self.observe_window, self.track_attention, self.layer_idx, self.compressor)
 
     def reorder_cache(self, beam_idx) -> None:
         raise KVMemError("kvmem caches hold one sequence; beam search is not supported")
@@ -246,6 +249,8 @@ class KVLayer(CacheLayerMixin):
             self.recent_positions = torch.cat([prev_p, new_pos[-self.observe_window:]])[-self.observe_window:].clone()
         if self.track_attention:
             self._accumulate_attention(q, scaling, full_k, full_p, new_pos)
+        if self.compressor is not None:
+            self.compressor(self, self.layer_idx)
 
     def _accumulate_attention(self, q: Tensor, scaling: float, full_k, full_p, new_pos) -> None:
         groups = q.shape[0] // self.num_heads
@@ -277,9 +282,13 @@ class KVLayer(CacheLayerMixin):
         self.compressed = True
 
     def kv_tensors(self) -> list[Tensor]:
+        if not self.is_initialized:
+            return []
         return [self._k, self._v] if self.dense else [*self._k, *self._v]
 
     def state_tensors(self) -> list[Tensor]:
+        if not self.is_initialized:
+            return []
         extra = [t for t in (self.recent_queries, self.recent_positions) if t is not None]
         return ([self._p] if self.dense else list(self._p)) + (self.head_attention or []) + extra
 
@@ -287,7 +296,12 @@ class KVLayer(CacheLayerMixin):
 class KVCache(Cache):
     """A transformers Cache made of `KVLayer`s, one per decoder layer (sliding layers where the model has them)."""
 
-    def __init__(self, config, observe_window: int = 64, track_attention: bool = False):
+    def __init__(self, config, observe_window: int = 64, track_attention: bool = False, compressor=None):
+        """`compressor` (a `kvmem.compress.Compressor`) makes the cache compress itself after the prefill
+        and optionally every N decode steps; the observation it needs is switched on."""
+        if compressor is not None:
+            observe_window = max(observe_window, compressor.method.observe_window, 1)
+            track_attention = track_attention or compressor.method.needs_attention
         text = config.get_text_config()
         n_layers = text.num_hidden_layers
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
@@ -295,8 +309,8 @@ class KVCache(Cache):
         if unknown:
             raise KVMemError(f"unsupported attention layer types {sorted(unknown)}")
         layers = [
-            KVLayer(text.sliding_window if t == "sliding_attention" else None, observe_window, track_attention)
-            for t in layer_types[:n_layers]
+            KVLayer(text.sliding_window if t == "sliding_attention" else None, observe_window, track_attention, i, compressor)
+            for i, t in enumerate(layer_types[:n_layers])
         ]
         super().__init__(layers=layers)
 

@@ -3,7 +3,7 @@
 `get_method(name)` returns a method by its canonical name (the same name the CLI, results and plots use).
 """
 
-from kvmem.compress.base import BUDGETS, CompressionResult, HeadView, Method, compress
+from kvmem.compress.base import BUDGETS, CompressionResult, Compressor, HeadView, Method, compress
 from kvmem.compress.full import Full
 from kvmem.compress.h2o import H2O
 from kvmem.compress.knorm import KNorm
@@ -23,4 +23,4 @@ def get_method(name: str) -> Method:
         raise KVMemError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
 
 
-__all__ = ["BUDGETS", "METHODS", "CompressionResult", "HeadView", "Method", "compress", "get_method"]
+__all__ = ["BUDGETS", "METHODS", "CompressionResult", "Compressor", "HeadView", "Method", "compress", "get_method"]

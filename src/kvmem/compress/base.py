@@ -94,18 +94,16 @@ def check_keep_ratio(keep_ratio: float | Sequence[float], n_layers: int) -> list
     return ratios
 
 
-def head_views(cache: KVCache, layer_idx: int) -> list[HeadView]:
-    layer: KVLayer = cache.layers[layer_idx]
+def head_views(layer: KVLayer, layer_idx: int) -> list[HeadView]:
     groups = layer.recent_queries.shape[0] // layer.num_heads if layer.recent_queries is not None else 0
     views = []
-    for h in range(layer.num_heads):
-        q = layer.recent_queries[h * groups:(h + 1) * groups] if groups else layer.head_keys[h].new_zeros((0, 0, 0))
+    for h, (keys, values, positions) in enumerate(zip(layer.head_keys, layer.head_values, layer.head_positions)):
+        q = layer.recent_queries[h * groups:(h + 1) * groups] if groups else keys.new_zeros((0, 0, 0))
         views.append(HeadView(
-            layer=layer_idx, head=h, keys=layer.head_keys[h], values=layer.head_values[h],
-            positions=layer.head_positions[h], queries=q,
-            query_positions=layer.recent_positions if groups else layer.head_positions[h][:0],
+            layer=layer_idx, head=h, keys=keys, values=values, positions=positions, queries=q,
+            query_positions=layer.recent_positions if groups else positions[:0],
             attention=layer.head_attention[h] if layer.head_attention is not None else None,
-            scaling=layer.scaling or 1.0 / math.sqrt(layer.head_keys[h].shape[-1]), sliding_window=layer.sliding_window,
+            scaling=layer.scaling or 1.0 / math.sqrt(keys.shape[-1]), sliding_window=layer.sliding_window,
         ))
     return views
 
@@ -126,6 +124,17 @@ def _allocate(scores: list[Tensor], budgets: list[int], mode: str) -> list[int]:
     return [min(c, s.numel()) for c, s in zip(counts, scores)]
 
 
+def _check(method: Method, ratios: list[float], budget: str, layer: KVLayer) -> None:
+    if method.name == "full" and min(ratios) < 1.0:
+        raise KVMemError("method 'full' keeps every token; its keep ratio must be 1.0")
+    if budget not in BUDGETS:
+        raise KVMemError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
+    if method.needs_attention and not layer.track_attention:
+        raise KVMemError(f"method {method.name!r} needs the cache built with track_attention=True before prefill")
+    if method.observe_window and layer.recent_queries is None:
+        raise KVMemError(f"method {method.name!r} needs observed queries; the cache has none (observe_window=0?)")
+
+
 @torch.no_grad()
 def compress(
     cache: KVCache,
@@ -142,38 +151,65 @@ def compress(
     (every head keeps the same fraction) or `adaptive` (heads of a layer share the layer's budget).
     """
     ratios = check_keep_ratio(keep_ratio, len(cache.layers))
-    if method.name == "full" and min(ratios) < 1.0:
-        raise KVMemError("method 'full' keeps every token; its keep ratio must be 1.0")
-    if budget not in BUDGETS:
-        raise KVMemError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
-    if method.needs_attention and not cache.layers[0].track_attention:
-        raise KVMemError(f"method {method.name!r} needs the cache built with track_attention=True before prefill")
-    if method.observe_window and cache.layers[0].recent_queries is None:
-        raise KVMemError(f"method {method.name!r} needs observed queries; the cache has none (observe_window=0?)")
+    _check(method, ratios, budget, cache.layers[0])
     before = cache.kv_bytes(), sum(map(sum, cache.tokens_held()))
     for layer_idx, ratio in enumerate(ratios):
-        layer = cache.layers[layer_idx]
-        if ratio >= 1.0 or not layer.is_initialized:
-            continue
-        views = head_views(cache, layer_idx)
-        scores = method.score_layer(views)
-        budgets, compressible = [], []
-        for view in views:
-            mask = view.positions < protect_from if protect_from is not None else torch.ones_like(view.positions, dtype=torch.bool)
-            compressible.append(mask)
-            budgets.append(max(1, math.ceil(ratio * int(mask.sum()))))
-        region_scores = [s[m] for s, m in zip(scores, compressible)]
-        counts = _allocate(region_scores, budgets, budget)
-        keep = []
-        for view, score, mask, n_keep in zip(views, scores, compressible, counts):
-            region = mask.nonzero().squeeze(1)
-            if n_keep >= region.numel():
-                chosen = region
-            else:
-                sub = HeadView(**{**view.__dict__, "keys": view.keys[region], "values": view.values[region],
-                                  "positions": view.positions[region],
-                                  "attention": view.attention[:, region] if view.attention is not None else None})
-                chosen = region[method.select(sub, score[region], n_keep)]
-            keep.append(torch.cat([chosen, (~mask).nonzero().squeeze(1)]))
-        layer.keep_only(keep)
+        compress_layer(cache.layers[layer_idx], layer_idx, method, ratio, protect_from=protect_from, budget=budget)
     return CompressionResult(before[0], cache.kv_bytes(), before[1], sum(map(sum, cache.tokens_held())))
+
+
+@torch.no_grad()
+def compress_layer(layer: KVLayer, layer_idx: int, method: Method, ratio: float, *,
+                   protect_from: int | None = None, budget: str = "uniform") -> None:
+    """Score, budget and evict one layer (see `compress`)."""
+    if ratio >= 1.0 or not layer.is_initialized:
+        return
+    views = head_views(layer, layer_idx)
+    scores = method.score_layer(views)
+    budgets, compressible = [], []
+    for view in views:
+        mask = view.positions < protect_from if protect_from is not None else torch.ones_like(view.positions, dtype=torch.bool)
+        compressible.append(mask)
+        budgets.append(max(1, math.ceil(ratio * int(mask.sum()))))
+    region_scores = [s[m] for s, m in zip(scores, compressible)]
+    counts = _allocate(region_scores, budgets, budget)
+    keep = []
+    for view, score, mask, n_keep in zip(views, scores, compressible, counts):
+        region = mask.nonzero().squeeze(1)
+        if n_keep >= region.numel():
+            chosen = region
+        else:
+            sub = HeadView(**{**view.__dict__, "keys": view.keys[region], "values": view.values[region],
+                              "positions": view.positions[region],
+                              "attention": view.attention[:, region] if view.attention is not None else None})
+            chosen = region[method.select(sub, score[region], n_keep)]
+        keep.append(torch.cat([chosen, (~mask).nonzero().squeeze(1)]))
+    layer.keep_only(keep)
+
+
+class Compressor:
+    """Compression run by the cache itself as the model runs, so `model.generate` needs no extra step.
+
+    Each layer is compressed right after its attention has read the first forward (the prefill): the
+    rest of that forward is unaffected, exactly as if the whole cache were compressed afterwards. With
+    `every=N`, every N later forwards each layer is brought back to the size it had after that.
+    Use: `KVCache(config, compressor=Compressor(get_method("snapkv"), 0.25))`.
+    """
+
+    def __init__(self, method: Method, keep_ratio: float, every: int = 0, budget: str = "uniform"):
+        check_keep_ratio(keep_ratio, 1)
+        self.method, self.keep_ratio, self.every, self.budget = method, keep_ratio, every, budget
+        self._budget: dict[int, int] = {}  # layer -> max tokens per head after the prefill
+        self._steps: dict[int, int] = {}
+
+    def __call__(self, layer: KVLayer, layer_idx: int) -> None:
+        if layer_idx not in self._budget:
+            _check(self.method, [self.keep_ratio], self.budget, layer)
+            compress_layer(layer, layer_idx, self.method, self.keep_ratio, budget=self.budget)
+            self._budget[layer_idx], self._steps[layer_idx] = max(layer.lengths()), 0
+            return
+        self._steps[layer_idx] += 1
+        if self.every and self._steps[layer_idx] % self.every == 0:
+            ratio = self._budget[layer_idx] / max(layer.lengths())
+            if ratio < 1.0:
+                compress_layer(layer, layer_idx, self.method, ratio, budget=self.budget)
