@@ -69,7 +69,7 @@ def demo(
     methods = ["full", "streaming-llm", "h2o", "snapkv", "tova", "knorm", "random"]
     lm = load_model(model)
     console.print(f"model [bold]{lm.name}[/bold] (fingerprint {lm.fingerprint}), keep ratio {keep_ratio}")
-    for task in ("niah-single-number", "niah-single-word"):
+    for task in ("niah-single-number", "passkey"):
         sample = make_samples(task, lm.tokenizer, length, 1, seed=7)[0]
         console.rule(f"{task}: {length}-token document")
         console.print(f"question:{sample.question}{sample.answer_prefix} …   [dim](expected: {', '.join(sample.answers)})[/dim]")
@@ -77,10 +77,10 @@ def demo(
             records = run_sample(lm, sample, methods, [keep_ratio])
         table = Table(show_lines=False)
         for col in ("setting", "method", "KV bytes", "kept", "answer", "correct", "time"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=True, overflow="ellipsis")
         for r in records:
             table.add_row(r["setting"], r["method"], f"{r['kv_bytes'] / 2**20:.1f} MiB",
-                          f"{r['kv_bytes'] / r['kv_bytes_full']:.2f}", r["output"].strip()[:40],
+                          f"{r['kv_bytes'] / r['kv_bytes_full']:.2f}", " ".join(r["output"].split())[:32],
                           "[green]yes[/green]" if r["score"] == 1 else ("[yellow]part[/yellow]" if r["score"] else "[red]no[/red]"),
                           f"{r['wall_s']:.1f}s")
         console.print(table)
