@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,7 @@ def _convert_gguf(name: str, gguf: Path, out: Path) -> None:
     """Dequantize a GGUF once and save it as a plain float32 transformers folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"kvmem: converting {gguf.name} to safetensors (once; cached in {out}) ...", flush=True)
+    print(f"kvmem: converting {gguf.name} to safetensors (once; cached in {out}) ...", file=sys.stderr, flush=True)
     t0 = time.time()
     folder, fname = str(gguf.parent), gguf.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
@@ -111,7 +112,7 @@ def _convert_gguf(name: str, gguf: Path, out: Path) -> None:
     (tmp / "kvmem.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    print(f"kvmem: converted in {time.time() - t0:.0f}s", flush=True)
+    print(f"kvmem: converted in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
 
 def _converted_folder(name: str) -> Path:
