@@ -140,34 +140,41 @@ def write_report(rows: list[dict], cfg) -> Path:
     return path
 
 
+def _mean_curve(points: dict[float, list[tuple[float, float]]]) -> tuple[list[float], list[float]]:
+    ratios = sorted(points)
+    x = [sum(p[0] for p in points[k]) / len(points[k]) for k in ratios]
+    y = [sum(p[1] for p in points[k]) / len(points[k]) for k in ratios]
+    return x, y
+
+
 def _plot(rs: list[dict], ok: set[str], model: str, length: int, out: Path) -> Path | None:
-    settings = ("agnostic", "aware")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    """Score vs measured fraction of KV bytes kept, per method: agnostic, aware, and ppl-recall."""
+    panels = [("agnostic", lambda r: r["setting"] == "agnostic" and r["task"] in ok, "mean score (usable tasks)"),
+              ("aware", lambda r: r["setting"] == "aware" and r["task"] in ok, "mean score (usable tasks)"),
+              ("ppl-recall", lambda r: r["task"] == "ppl-recall", "perplexity (log)")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     drawn = False
-    for ax, setting in zip(axes, settings):
+    for ax, (title, keep, ylabel) in zip(axes, panels):
         series: dict[str, dict[float, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         for r in rs:
-            if r["setting"] == setting and r["task"] in ok:
+            if keep(r) and r["method"] != "full":
                 series[r["method"]][r["keep_ratio"]].append((r["fraction_kept"], r["score"]))
-        for method, pts in series.items():
-            if method == "full":
-                continue
-            xs = sorted(pts)
-            x = [sum(p[0] for p in pts[k]) / len(pts[k]) for k in xs]
-            y = [sum(p[1] for p in pts[k]) / len(pts[k]) for k in xs]
-            ax.plot(x, y, marker="o", label=method)
+        for method, points in series.items():
+            ax.plot(*_mean_curve(points), marker="o", label=method)
             drawn = True
-        ax.set_title(f"{model} @ {length}: {setting}")
+        ax.set_title(f"{model} @ {length}: {title}")
         ax.set_xlabel("fraction of KV bytes kept")
+        ax.set_ylabel(ylabel)
         ax.set_xscale("log")
+        if title == "ppl-recall":
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("mean score (usable tasks)")
-    axes[1].legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     if not drawn:
         plt.close(fig)
         return None
     path = out / f"score_vs_kept_{model}_{length}.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
