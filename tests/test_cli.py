@@ -70,3 +70,9 @@ def test_eval_writes_results_report_and_plot(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "Full-cache score per task" in report
     assert list(tmp_path.glob("score_vs_kept_*.png"))
+
+
+def test_generate_without_context_just_answers():
+    result = run("generate", "--prompt", "The capital of Germany is Berlin. The capital of France is", "--max-new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.output

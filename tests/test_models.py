@@ -73,14 +73,6 @@ def test_hf_generate_matches_kvmem_decode_after_compression(smollm2):
     assert out[0, len(ids):].tolist() == expected
 
 
-def test_decode_time_recompression_bounds_the_cache(smollm2):
-    lm = smollm2
-    cache = KVCache(lm.model.config, observe_window=64)
-    logits = feed(lm, cache, lm.tokenizer("Once upon a time, " * 10).input_ids)
-    decode(lm, cache, logits, 12, stop_at_newline=False, method=get_method("tova"), max_tokens=30, every=4)
-    assert max(max(lens) for lens in cache.tokens_held()) <= 30 + 4
-
-
 def test_context_too_long_is_a_clear_error(smollm2):
     small = dataclasses.replace(smollm2, max_context=16)
     with pytest.raises(KVMemError, match="context too long"):

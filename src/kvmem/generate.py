@@ -1,7 +1,9 @@
 """kvmem's own generation loop: prefill, compress, feed more tokens, decode greedily.
 
-`model.generate(..., cache=kv_cache)` works too (see tests); this loop exists so that compression can
-run between prefill and decode, and again every N decode steps, and so the benchmark can time the parts.
+`model.generate(..., cache=KVCache(config, compressor=Compressor(...)))` works too (see tests); this
+loop exists so that a context can be compressed before a question is read (the query-agnostic,
+reusable setting) and so the benchmark can time the parts. Decode-time re-compression is the
+Compressor's `every=N`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,9 @@ from kvmem.errors import KVMemError
 from kvmem.models import LoadedModel
 
 
-def new_cache(lm: LoadedModel, method: Method | None = None, track_attention: bool | None = None) -> KVCache:
+def new_cache(lm: LoadedModel, method: Method) -> KVCache:
     """A cache that records what `method` needs to score tokens (queries, accumulated attention)."""
-    window = max(64, method.observe_window if method else 0)
-    track = method.needs_attention if track_attention is None and method else bool(track_attention)
-    return KVCache(lm.model.config, observe_window=window, track_attention=track)
+    return KVCache(lm.model.config, observe_window=max(64, method.observe_window), track_attention=method.needs_attention)
 
 
 @torch.no_grad()
@@ -63,19 +63,10 @@ def newline_ids(lm: LoadedModel) -> set[int]:
 
 
 @torch.no_grad()
-def decode(
-    lm: LoadedModel,
-    cache: KVCache,
-    first_logits: Tensor,
-    max_new_tokens: int,
-    stop_at_newline: bool = True,
-    method: Method | None = None,
-    max_tokens: int | None = None,
-    every: int = 0,
-) -> list[int]:
-    """Greedy decoding until end of sequence, `max_new_tokens`, or (with `stop_at_newline`) the end of the
-    first line that has any letter or digit. With `method`, `max_tokens` and `every`, re-compress every
-    `every` steps so no head holds more than `max_tokens` tokens (decode-time compression)."""
+def decode(lm: LoadedModel, cache: KVCache, first_logits: Tensor, max_new_tokens: int,
+           stop_at_newline: bool = True) -> list[int]:
+    """Greedy decoding until end of sequence, `max_new_tokens`, or (with `stop_at_newline`) the end of
+    the first line that has any letter or digit."""
     out: list[int] = []
     logits = first_logits
     ends, newlines = end_ids(lm), newline_ids(lm) if stop_at_newline else set()
@@ -86,19 +77,9 @@ def decode(
         if token in newlines and any(c.isalnum() for c in lm.tokenizer.decode(out)):
             break
         out.append(token)
-        if step == max_new_tokens - 1:
-            break
-        if method is not None and every and step % every == every - 1:
-            recompress(cache, method, max_tokens)
-        logits = feed(lm, cache, [token])
+        if step < max_new_tokens - 1:
+            logits = feed(lm, cache, [token])
     return out
-
-
-def recompress(cache: KVCache, method: Method, max_tokens: int) -> None:
-    """Evict so that every head of every layer holds at most `max_tokens` tokens."""
-    ratios = [min(1.0, max_tokens / max(max(lens), 1)) for lens in cache.tokens_held()]
-    if min(ratios) < 1.0:
-        compress(cache, method, ratios)
 
 
 @dataclass
@@ -132,14 +113,15 @@ def answer(
     if not q:
         raise KVMemError("the question is empty")
     cache = new_cache(lm, m)
-    if query_aware:
-        feed(lm, cache, ctx + q[:-1])
+    if not ctx:  # nothing to compress: just answer
+        logits = feed(lm, cache, q)
+        full_bytes = kept = cache.kv_bytes()
     else:
-        feed(lm, cache, ctx)
-    full_bytes = cache.kv_bytes()
-    compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None, budget=budget)
-    kept = cache.kv_bytes()
-    cache.drop_observations()
-    logits = feed(lm, cache, q[-1:] if query_aware else q)
+        feed(lm, cache, ctx + q[:-1] if query_aware else ctx)
+        full_bytes = cache.kv_bytes()
+        compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None, budget=budget)
+        kept = cache.kv_bytes()
+        cache.drop_observations()
+        logits = feed(lm, cache, q[-1:] if query_aware else q)
     tokens = decode(lm, cache, logits, max_new_tokens)
     return Answer(tok.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())))
