@@ -33,6 +33,34 @@ def usable_tasks(rows: list[dict]) -> dict[tuple, dict[str, float]]:
     return full
 
 
+def headline(rows: list[dict]) -> list[str]:
+    """Per model and length, one row per method: mean score on the usable tasks in both settings and
+    the ppl-recall perplexity, at each keep ratio below 1 (the full cache is the first row)."""
+    full = usable_tasks(rows)
+    lines = []
+    for (model, length) in sorted({(r["model"], r["length"]) for r in rows}):
+        rs = [r for r in rows if (r["model"], r["length"]) == (model, length)]
+        ok = {t for t, sc in full.get((model, length), {}).items() if sc >= FULL_CACHE_MIN}
+        ratios = sorted({r["keep_ratio"] for r in rs if r["keep_ratio"] < 1.0}, reverse=True)
+        methods = [m for m in dict.fromkeys(r["method"] for r in rs) if m != "full"]
+
+        def mean(method, ratio, pick) -> str:
+            v = [r["score"] for r in rs if r["method"] == method and r["keep_ratio"] == ratio and pick(r)]
+            return f"{sum(v) / len(v):.2f}" if v else "–"
+
+        cols = [("agnostic", lambda r: r["setting"] == "agnostic" and r["task"] in ok),
+                ("aware", lambda r: r["setting"] == "aware" and r["task"] in ok),
+                ("ppl-recall", lambda r: r["task"] == "ppl-recall")]
+        lines += [f"**{model} @ {length} tokens** — usable tasks: {', '.join(sorted(ok)) or 'none'}", "",
+                  "| method | " + " | ".join(f"{c} {k:g}" for c, _ in cols for k in ratios) + " |",
+                  "|---|" + "---|" * (len(cols) * len(ratios))]
+        lines.append("| full (1.0) | " + " | ".join(mean("full", 1.0, pick) for _, pick in cols for _ in ratios) + " |")
+        for m in methods:
+            lines.append(f"| {m} | " + " | ".join(mean(m, k, pick) for _, pick in cols for k in ratios) + " |")
+        lines.append("")
+    return lines
+
+
 def write_report(rows: list[dict], cfg) -> Path:
     out = Path(cfg.out)
     full = usable_tasks(rows)
@@ -50,12 +78,16 @@ def write_report(rows: list[dict], cfg) -> Path:
         "cache for every method. Scores are the fraction of expected answer strings in the greedy output "
         "(RULER string match); perplexity tasks report perplexity (lower is better).",
         "",
-        "## Full-cache score per task",
+        "## Which tasks count",
         "",
         f"Tasks scoring below {FULL_CACHE_MIN} with the full cache are flagged and left out of the averages: "
         "a task the model cannot do uncompressed measures nothing about compression.",
         "",
     ]
+    lines += ["## Headline", "",
+              "Mean score over usable tasks (higher is better) and ppl-recall perplexity (lower is better) "
+              "at each keep ratio; the full cache is the first row.", "", *headline(rows)]
+    lines += ["## Full-cache score per task (detail)", ""]
     tasks = sorted({t for d in full.values() for t in d})
     keys = sorted(full)
     lines.append("| task | " + " | ".join(f"{m} @ {L}" for m, L in keys) + " |")
