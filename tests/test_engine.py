@@ -145,7 +145,8 @@ def test_adaptive_budget_gives_heads_different_lengths(tiny_llama):
     compress(cache, Skewed(), 0.5, budget="adaptive")
     lengths = cache.tokens_held()[0]
     assert lengths[0] != lengths[1]
-    assert sum(lengths) in range(50, 53)  # the layer's budget, pooled (ceil per head)
+    assert lengths[1] >= 5  # Ada-KV's floor: 20% of the uniform share
+    assert sum(lengths) == 2 * 26  # the layer's budget (ceil(0.5 * 51) per head), pooled
     head_dim = 16
     assert cache.kv_bytes() == sum(map(sum, cache.tokens_held())) * head_dim * 2 * 4
 

@@ -109,19 +109,17 @@ def head_views(layer: KVLayer, layer_idx: int) -> list[HeadView]:
 
 
 def _allocate(scores: list[Tensor], budgets: list[int], mode: str) -> list[int]:
-    """Tokens each head keeps. `adaptive` (Ada-KV, Feng et al. 2024) pools a layer's budget across heads
-    by comparing softmax-normalised scores, with a floor of 20% of the uniform share per head."""
+    """Tokens each head keeps. `adaptive` (Ada-KV, Feng et al. 2024, arXiv 2407.11550) pools a layer's
+    budget across its heads: the layer keeps its top tokens by score whichever head they are in, with
+    a floor of 20% of the uniform share per head. Scores are compared as they are, so this is meant for
+    methods whose scores are attention weights (h2o, snapkv, tova)."""
     if mode == "uniform":
         return budgets
-    total = sum(budgets)
-    floor = [max(1, int(0.2 * b)) for b in budgets]
-    normed = [s.float().softmax(0) if torch.isfinite(s).all() else s.float() for s in scores]
-    flat = torch.cat([n for n in normed])
-    owner = torch.cat([torch.full((n.numel(),), h) for h, n in enumerate(normed)])
-    chosen = owner[flat.topk(min(total, flat.numel())).indices]
-    counts = torch.bincount(chosen, minlength=len(scores)).tolist()
-    counts = [max(c, f) for c, f in zip(counts, floor)]
-    return [min(c, s.numel()) for c, s in zip(counts, scores)]
+    floor = [min(max(1, int(0.2 * b)), s.numel()) for b, s in zip(budgets, scores)]
+    rest = [s.float().sort(descending=True).values[f:] for s, f in zip(scores, floor)]  # beyond each floor
+    owner = torch.cat([torch.full((r.numel(),), h) for h, r in enumerate(rest)])
+    extra = owner[torch.cat(rest).topk(min(sum(budgets) - sum(floor), owner.numel())).indices]
+    return [f + e for f, e in zip(floor, torch.bincount(extra, minlength=len(scores)).tolist())]
 
 
 def _check(method: Method, ratios: list[float], budget: str, layer: KVLayer) -> None:
