@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -75,11 +76,11 @@ def demo(
         console.print(f"question:{sample.question}{sample.answer_prefix} …   [dim](expected: {', '.join(sample.answers)})[/dim]")
         with console.status("prefill once, then every method on a copy of the cache ..."):
             records = run_sample(lm, sample, methods, [keep_ratio])
-        table = Table(show_lines=False)
-        for col in ("setting", "method", "KV bytes", "kept", "answer", "correct", "time"):
-            table.add_column(col, no_wrap=True, overflow="ellipsis")
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for col, width in (("setting", 8), ("method", 13), ("KV MiB", 6), ("kept", 4), ("answer", 0), ("correct", 7), ("time", 6)):
+            table.add_column(col, no_wrap=True, min_width=width or None, max_width=width or 20, overflow="ellipsis")
         for r in records:
-            table.add_row(r["setting"], r["method"], f"{r['kv_bytes'] / 2**20:.1f} MiB",
+            table.add_row(r["setting"], r["method"], f"{r['kv_bytes'] / 2**20:.1f}",
                           f"{r['kv_bytes'] / r['kv_bytes_full']:.2f}", " ".join(r["output"].split())[:32],
                           "[green]yes[/green]" if r["score"] == 1 else ("[yellow]part[/yellow]" if r["score"] else "[red]no[/red]"),
                           f"{r['wall_s']:.1f}s")
