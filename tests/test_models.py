@@ -118,3 +118,12 @@ def test_compressor_every_n_steps_keeps_the_prefill_budget(smollm2):
     lm.model.generate(torch.tensor([ids]), cache=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     budget = -(-len(ids) // 2)  # ceil(0.5 * prompt)
     assert max(max(lens) for lens in cache.tokens_held()) <= budget + 3
+
+
+def test_decoding_stops_when_the_context_is_full(smollm2):
+    small = dataclasses.replace(smollm2, max_context=12)
+    cache = KVCache(small.model.config)
+    ids = small.tokenizer("one two three four five six seven").input_ids
+    logits = feed(small, cache, ids)
+    out = decode(small, cache, logits, 20, stop_at_newline=False)
+    assert len(out) == 12 - len(ids) + 1 and cache.get_seq_length() == 12  # the last token is generated, not fed

@@ -65,8 +65,8 @@ def newline_ids(lm: LoadedModel) -> set[int]:
 @torch.no_grad()
 def decode(lm: LoadedModel, cache: KVCache, first_logits: Tensor, max_new_tokens: int,
            stop_at_newline: bool = True) -> list[int]:
-    """Greedy decoding until end of sequence, `max_new_tokens`, or (with `stop_at_newline`) the end of
-    the first line that has any letter or digit."""
+    """Greedy decoding until end of sequence, `max_new_tokens`, a full context (the model's maximum
+    length), or (with `stop_at_newline`) the end of the first line that has any letter or digit."""
     out: list[int] = []
     logits = first_logits
     ends, newlines = end_ids(lm), newline_ids(lm) if stop_at_newline else set()
@@ -77,8 +77,9 @@ def decode(lm: LoadedModel, cache: KVCache, first_logits: Tensor, max_new_tokens
         if token in newlines and any(c.isalnum() for c in lm.tokenizer.decode(out)):
             break
         out.append(token)
-        if step < max_new_tokens - 1:
-            logits = feed(lm, cache, [token])
+        if step == max_new_tokens - 1 or cache.get_seq_length() >= lm.max_context:
+            break  # the model's context is full: nothing more can be generated
+        logits = feed(lm, cache, [token])
     return out
 
 
