@@ -148,8 +148,9 @@ class LMEmbedder(Embedder):
         batch = tok(self._texts(texts), return_tensors="pt", padding=True, padding_side="right",
                     return_offsets_mapping=True)
         offsets = batch.pop("offset_mapping")
-        hidden = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            output_hidden_states=True, use_cache=False).hidden_states
+        body = self.model.base_model  # the decoder without the LM head: no logits to compute
+        hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      output_hidden_states=True, use_cache=False).hidden_states
         batch["offset_mapping"] = offsets
         return [self._pool(hidden[layer].float(), batch.attention_mask, batch, texts) for layer in layers]
 
