@@ -76,3 +76,28 @@ def test_generate_without_context_just_answers():
     result = run("generate", "--prompt", "The capital of Germany is Berlin. The capital of France is", "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output
     assert "Paris" in result.output
+
+
+def test_embed_writes_npy_and_jsonl(tmp_path):
+    import numpy as np
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("The cat sat on the mat.\nA dog ran in the park.\n\nStocks fell sharply today.\n")
+    result = run("embed", str(texts), "--method", "mean", "--out", str(tmp_path / "e.npy"))
+    assert result.exit_code == 0, result.output
+    vectors = np.load(tmp_path / "e.npy")
+    assert vectors.shape == (3, 576) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    result = run("embed", str(texts), "--method", "tfidf", "--precision", "binary", "--out", str(tmp_path / "e.jsonl"))
+    assert result.exit_code == 0, result.output
+    assert len((tmp_path / "e.jsonl").read_text().splitlines()) == 3
+    result = run("embed", str(texts), "--out", str(tmp_path / "e.csv"))
+    assert result.exit_code == 2 and "error:" in result.output and ".npy or .jsonl" in result.output
+
+
+def test_eval_retrieval_suite(tmp_path):
+    result = run("eval", "--suite", "retrieval", "--methods", "tfidf,mean", "--tasks", "abstracts", "--limit", "12",
+                 "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert {r["method"] for r in rows} == {"tfidf", "mean"}
+    assert all(0.0 <= r["ndcg@10"] <= 1.0 for r in rows)

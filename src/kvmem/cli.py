@@ -120,27 +120,40 @@ def generate(
 @app.command("eval")
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="Benchmark suite: longctx (RULER-style tasks, QA, perplexity)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity) or retrieval (embeddings)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
-    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all)."),
+    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's)."),
     ratios: str = typer.Option("1.0,0.5,0.25,0.1", help="Comma-separated keep ratios."),
-    tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks (default: all)."),
+    tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks (retrieval: sets) (default: all)."),
     samples: int = typer.Option(3, help="Samples per task and length."),
     seed: int = typer.Option(0, help="Seed of the generated samples."),
-    out: Path = typer.Option(Path("results/longctx"), help="Folder for records.jsonl, results.json, report.md, plots."),
+    out: Optional[Path] = typer.Option(None, help="Output folder (default results/SUITE): results.json, report.md, plots."),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default). Two 1-thread runs can beat one 2-thread run."),
+    layers: str = typer.Option("-1", help="retrieval: comma-separated hidden layers for the LLM embedders (-1 = last)."),
+    limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
 ) -> None:
-    """Run the benchmark (resumes from OUT/records.jsonl) and write results.json + report.md + plots."""
+    """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
+    retrieval: embedding methods on the offline retrieval sets (abstracts, questions)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
+    if suite == "retrieval":
+        from kvmem.embed import EMBEDDERS
+        from kvmem.eval.retrieval import SETS, run_retrieval
+
+        out = out or Path("results/retrieval")
+        run_retrieval(_csv(models), _csv(methods) if methods else list(EMBEDDERS), _csv(tasks) if tasks else list(SETS),
+                      out, layers=_csv(layers, int), limit=limit)
+        console.print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+        return
+    out = out or Path("results/longctx")
     from kvmem.compress import METHODS
     from kvmem.eval.longctx import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
-        raise KVMemError(f"unknown suite {suite!r}; available: longctx")
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval")
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),
@@ -149,6 +162,45 @@ def eval_(
     )
     path = run(cfg)
     console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
+
+
+@app.command()
+@clean_errors
+def embed(
+    files: Optional[list[Path]] = typer.Argument(None, help="Text files, one text per line (default: stdin)."),
+    out: Path = typer.Option(..., help="Where to write: .npy (the matrix) or .jsonl (one {text, embedding} per line)."),
+    method: str = typer.Option("prompteol", help="mean, last, prompteol, echo (from the LLM), minilm, tfidf."),
+    model: str = typer.Option("smollm2-135m", help="The LLM the LLM methods embed with."),
+    layer: int = typer.Option(-1, help="Hidden layer for the LLM methods (-1 = last)."),
+    precision: str = typer.Option("float32", help="float32, int8 or binary (packed sign bits)."),
+    normalize: bool = typer.Option(True, help="L2-normalise float embeddings."),
+    batch_size: int = typer.Option(8, help="Texts per forward pass."),
+) -> None:
+    """Embed texts with a training-free method (see `kvmem eval --suite retrieval` for how each does)."""
+    import json
+
+    import numpy as np
+
+    from kvmem.embed import get_embedder
+
+    if out.suffix not in (".npy", ".jsonl"):
+        raise KVMemError(f"--out must end in .npy or .jsonl; got {out.name!r}")
+    texts = [line.strip() for f in files for line in f.read_text().splitlines()] if files else \
+        [line.strip() for line in sys.stdin]
+    texts = [t for t in texts if t]
+    if not texts:
+        raise KVMemError("no text to embed (empty input)")
+    embedder = get_embedder(method, model=model if method not in ("minilm", "tfidf") else None, layer=layer)
+    embedder.fit(texts)
+    vectors = embedder.encode(texts, batch_size=batch_size, normalize_embeddings=normalize, precision=precision,
+                              show_progress_bar=True)
+    if out.suffix == ".npy":
+        np.save(out, vectors)
+    else:
+        with out.open("w") as f:
+            for t, v in zip(texts, vectors):
+                f.write(json.dumps({"text": t, "embedding": v.tolist()}) + "\n")
+    console.print(f"wrote {len(texts)} embeddings of shape {vectors.shape[1:]} ({vectors.dtype}) to {out}")
 
 
 @app.command("methods")

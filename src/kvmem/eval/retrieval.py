@@ -15,13 +15,12 @@ Scores: float32 = cosine similarity; int8 = integer dot of codes calibrated on t
 matching sign bits (see `kvmem.embed.base`). Ties are counted against the relevant document (pessimistic).
 TF-IDF is fitted on the corpus being searched (`Embedder.fit(docs)` is called for every method).
 
-Run: `python -m kvmem.eval.retrieval --models smollm2-135m --methods mean last prompteol echo minilm tfidf
---layers 10 15 20 -1 --out results/retrieval`.
+Run: `kvmem eval --suite retrieval --models smollm2-135m --methods mean,last,prompteol,echo,minilm,tfidf
+--layers 10,15,20,-1 --out results/retrieval`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -202,8 +201,8 @@ def _row_line(r: dict) -> str:
 
 def report(rows: list[dict], data: dict[str, RetrievalSet]) -> str:
     lines = ["# kvmem retrieval benchmark", "",
-             "Regenerate: `python -m kvmem.eval.retrieval --models smollm2-135m --methods mean last prompteol echo "
-             "minilm tfidf --layers 10 15 20 -1 --out results/retrieval` (see `kvmem/eval/retrieval.py` for the sets).",
+             "Regenerate: `kvmem eval --suite retrieval --models smollm2-135m --methods mean,last,prompteol,echo,"
+             "minilm,tfidf --layers 10,15,20,-1 --out results/retrieval` (see `kvmem/eval/retrieval.py` for the sets).",
              "", "float32 = cosine; int8 = per-dimension symmetric codes calibrated on the documents, integer dot; "
              "binary = sign bits, matching-bit count. Throughput = texts/s embedding queries + documents on this "
              "machine's CPU (one pass serves every layer of an LLM method).", ""]
@@ -226,25 +225,3 @@ def report(rows: list[dict], data: dict[str, RetrievalSet]) -> str:
                          f"{get('binary')} | {size} | {f['texts_per_s']:.1f} |")
         lines.append("")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["smollm2-135m"])
-    p.add_argument("--methods", nargs="+", default=list(EMBEDDERS))
-    p.add_argument("--sets", nargs="+", default=list(SETS))
-    p.add_argument("--layers", nargs="+", type=int, default=[-1])
-    p.add_argument("--limit", type=int, default=None, help="first N queries (and a corpus of about N documents)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=Path("results/retrieval"))
-    a = p.parse_args(argv)
-    if a.threads:
-        import torch
-
-        torch.set_num_threads(a.threads)
-    run_retrieval(a.models, a.methods, a.sets, a.out, layers=a.layers, limit=a.limit, batch_size=a.batch_size)
-
-
-if __name__ == "__main__":
-    main()
