@@ -27,6 +27,7 @@ bench: setup
 	$(KVMEM) eval --models smollm2-135m --lengths 4096 --samples 3 --threads 1 --out results/longctx
 	$(KVMEM) eval --models gemma3-270m --lengths 4096 --samples 3 --threads 1 --out results/longctx
 	$(KVMEM) eval --models smollm2-135m --lengths 8192 --samples 2 --threads 1 --out results/longctx
+	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

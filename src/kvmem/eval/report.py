@@ -61,6 +61,31 @@ def headline(rows: list[dict]) -> list[str]:
     return lines
 
 
+def update_readme(results: Path = Path("results/longctx/results.json"), readme: Path = Path("README.md")) -> None:
+    """Rewrite the README's results block (between its `<!-- results` markers) from results.json."""
+    import json
+    import re
+
+    rows = json.loads(results.read_text())
+    block = "\n".join([
+        "<!-- results: regenerated from results/longctx/results.json (the Headline of results/longctx/report.md) -->",
+        "Regenerate with `make bench` (hours on 2 CPU cores; it resumes from `results/longctx/records.jsonl`).",
+        "Mean score over the tasks the model can do with its full cache (RULER string match, higher is better)",
+        "and perplexity of a repeated passage after compressing the context (`ppl-recall`, lower is better),",
+        "at keep ratios 0.5 / 0.25 / 0.1; keep ratio 1.0 is the full-cache row. Few samples (3 per task at",
+        "4k, 2 at 8k) on 2-3 usable tasks: differences of one or two answers are noise. Full detail, per-task",
+        "scores, measured KV bytes and plots: [results/longctx/report.md](results/longctx/report.md).",
+        "",
+        *headline(rows),
+        "<!-- /results -->",
+    ])
+    text = readme.read_text()
+    new = re.sub(r"<!-- results:.*?<!-- /results -->", lambda m: block, text, flags=re.S)
+    if new == text and block not in text:
+        raise ValueError(f"{readme} has no results block to update")
+    readme.write_text(new)
+
+
 def write_report(rows: list[dict], cfg) -> Path:
     out = Path(cfg.out)
     full = usable_tasks(rows)
