@@ -43,6 +43,9 @@ def clean_errors(fn):
         except (KVMemError, FileNotFoundError, IsADirectoryError) as e:
             console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
             sys.exit(2)
+        except UnicodeDecodeError:
+            console.print("[red]error:[/red] an input file is not UTF-8 text", highlight=False, soft_wrap=True)
+            sys.exit(2)
 
     return wrapper
 
@@ -181,7 +184,7 @@ def embed(
 
     import numpy as np
 
-    from kvmem.embed import get_embedder
+    from kvmem.embed import EMBEDDERS, LMEmbedder, get_embedder
 
     if out.suffix not in (".npy", ".jsonl"):
         raise KVMemError(f"--out must end in .npy or .jsonl; got {out.name!r}")
@@ -190,7 +193,10 @@ def embed(
     texts = [t for t in texts if t]
     if not texts:
         raise KVMemError("no text to embed (empty input)")
-    embedder = get_embedder(method, model=model if method not in ("minilm", "tfidf") else None, layer=layer)
+    if method not in EMBEDDERS:
+        raise KVMemError(f"unknown embedding method {method!r}; choose from {', '.join(EMBEDDERS)}")
+    needs_llm = issubclass(EMBEDDERS[method], LMEmbedder)
+    embedder = get_embedder(method, model=model if needs_llm else None, layer=layer)
     embedder.fit(texts)
     vectors = embedder.encode(texts, batch_size=batch_size, normalize_embeddings=normalize, precision=precision,
                               show_progress_bar=True)
