@@ -94,6 +94,22 @@ def test_embed_writes_npy_and_jsonl(tmp_path):
     assert result.exit_code == 2 and "error:" in result.output and ".npy or .jsonl" in result.output
 
 
+def test_embed_with_the_new_methods_on_both_models(tmp_path):
+    import numpy as np
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("The cat sat on the mat.\nStocks fell sharply today.\n")
+    for model, method, dim in (("smollm2-135m", "kv-embedding:layers=8-14:bias=1", 576),
+                               ("gemma3-270m", "token-prepending:exit=3", 640)):
+        result = run("embed", str(texts), "--model", model, "--method", method, "--out", str(tmp_path / "e.npy"))
+        assert result.exit_code == 0, result.output
+        assert np.load(tmp_path / "e.npy").shape == (2, dim)
+    for method, problem in (("kv-embedding:depth=3", "has no option depth"), ("kv-embedding:layers", "key=value"),
+                            ("kv-embedding:layers=99", "re-routing layers")):
+        result = run("embed", str(texts), "--method", method, "--out", str(tmp_path / "e.npy"))
+        assert result.exit_code == 2 and problem in result.output, result.output
+
+
 def test_eval_retrieval_suite(tmp_path):
     result = run("eval", "--suite", "retrieval", "--methods", "tfidf,mean", "--tasks", "abstracts", "--limit", "12",
                  "--out", str(tmp_path))

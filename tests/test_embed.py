@@ -14,7 +14,8 @@ from kvmem.embed import (EMBEDDERS, bytes_per_vector, get_embedder, hamming_scor
 from kvmem.errors import KVMemError
 from kvmem.eval.retrieval import load_set, metrics, ranks, run_retrieval, score
 
-LM_METHODS = ("mean", "last", "prompteol", "echo")
+LM_METHODS = ("mean", "last", "prompteol", "echo", "token-prepending", "kv-embedding")
+OPTIONS = {"kv-embedding": {"layers": range(8, 15)}}  # explicit: the ID rule's calibration takes ~90 s
 TEXTS = ["The cat sat on the mat.", "Quantum computers use qubits to solve some problems much faster.",
          "Paris is the capital of France.", "A very long sentence about key-value caches, attention sinks, "
          "and the many ways a small language model can be made to remember less while losing little."]
@@ -22,7 +23,7 @@ TEXTS = ["The cat sat on the mat.", "Quantum computers use qubits to solve some 
 
 @pytest.fixture(scope="module")
 def embedded(smollm2):
-    return {m: get_embedder(m, smollm2).encode(TEXTS, batch_size=4) for m in LM_METHODS}
+    return {m: get_embedder(m, smollm2, **OPTIONS.get(m, {})).encode(TEXTS, batch_size=4) for m in LM_METHODS}
 
 
 def _hidden(lm, text: str, layer: int) -> torch.Tensor:
@@ -32,7 +33,7 @@ def _hidden(lm, text: str, layer: int) -> torch.Tensor:
 
 
 def test_registry_names():
-    assert set(EMBEDDERS) == {"mean", "last", "prompteol", "echo", "minilm", "tfidf"}
+    assert set(EMBEDDERS) == {"mean", "last", "prompteol", "echo", "token-prepending", "kv-embedding", "minilm", "tfidf"}
 
 
 def test_shapes_single_string_and_normalisation(smollm2, embedded):
@@ -51,7 +52,7 @@ def test_shapes_single_string_and_normalisation(smollm2, embedded):
 
 def test_deterministic_and_batch_independent(smollm2, embedded):
     for m in LM_METHODS:
-        emb = get_embedder(m, smollm2)
+        emb = get_embedder(m, smollm2, **OPTIONS.get(m, {}))
         again = emb.encode(TEXTS, batch_size=4)
         np.testing.assert_array_equal(again, embedded[m])
         alone = np.stack([emb.encode([t], batch_size=1)[0] for t in TEXTS])  # no padding at all
@@ -188,4 +189,9 @@ def test_retrieval_end_to_end(tmp_path):
     sizes = {r["precision"]: r["bytes_per_vector"] for r in rows if r["method"] == "mean"}
     assert sizes == {"float32": 576 * 4, "int8": 576, "binary": 72}
     report = (tmp_path / "report.md").read_text()
-    assert "## abstracts" in report and "## questions" in report and "| smollm2-135m | mean | 10 |" in report
+    assert "## abstracts" in report and "## questions" in report and (tmp_path / "ndcg_by_layer.png").exists()
+    f32 = {(r["set"], r["layer"]): r["ndcg@10"] for r in rows if r["method"] == "mean" and r["precision"] == "float32"}
+    chosen = max((f32[("questions", layer)], layer) for layer in (10, 30))[1]  # the questions set picks for abstracts
+    assert f"| smollm2-135m | mean | {f32[('abstracts', 30)]:.3f} | {chosen} | {f32[('abstracts', chosen)]:.3f} |" in report
+    again = run_retrieval(["smollm2-135m"], ["mean", "tfidf"], ["abstracts"], tmp_path, layers=[10, -1], limit=12)
+    assert again == rows  # everything was in records.jsonl: nothing recomputed, nothing lost

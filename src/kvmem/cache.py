@@ -339,10 +339,14 @@ class KVCache(Cache):
 
 def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
                     scaling: float | None = None, **kwargs):
-    """SDPA, with the per-head mask of a compressed kvmem layer when there is one, plus observation."""
+    """SDPA, with the per-head mask of a compressed kvmem layer when there is one, plus observation
+    (or kv-embedding's re-routed prefix in the layers it asks for)."""
     mask = kwargs.pop("kvmem_mask", None)
     layer = kwargs.pop("kvmem_layer", None)
+    reroute = kwargs.pop("kvmem_reroute", None)  # kv-embedding's prefix slot (kvmem.embed.kv_embedding)
     scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    if reroute is not None and (out := reroute.attend(module, query, key, value, scaling)) is not None:
+        return out
     if mask is None:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     else:

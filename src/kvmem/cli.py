@@ -133,7 +133,7 @@ def eval_(
     seed: int = typer.Option(0, help="Seed of the generated samples."),
     out: Optional[Path] = typer.Option(None, help="Output folder (default results/SUITE): results.json, report.md, plots."),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default). Two 1-thread runs can beat one 2-thread run."),
-    layers: str = typer.Option("-1", help="retrieval: comma-separated hidden layers for the LLM embedders (-1 = last)."),
+    layers: str = typer.Option("-1", help="retrieval: comma-separated hidden layers for the LLM embedders (-1 = last), or 'all'."),
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
@@ -148,7 +148,7 @@ def eval_(
 
         out = out or Path("results/retrieval")
         run_retrieval(_csv(models), _csv(methods) if methods else list(EMBEDDERS), _csv(tasks) if tasks else list(SETS),
-                      out, layers=_csv(layers, int), limit=limit)
+                      out, layers="all" if layers == "all" else _csv(layers, int), limit=limit)
         console.print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
         return
     out = out or Path("results/longctx")
@@ -172,7 +172,8 @@ def eval_(
 def embed(
     files: Optional[list[Path]] = typer.Argument(None, help="Text files, one text per line (default: stdin)."),
     out: Path = typer.Option(..., help="Where to write: .npy (the matrix) or .jsonl (one {text, embedding} per line)."),
-    method: str = typer.Option("prompteol", help="mean, last, prompteol, echo (from the LLM), minilm, tfidf."),
+    method: str = typer.Option("prompteol", help="mean, last, prompteol, echo, token-prepending, kv-embedding (from the "
+                                                 "LLM), minilm, tfidf; options as in kv-embedding:layers=8-14:bias=1."),
     model: str = typer.Option("smollm2-135m", help="The LLM the LLM methods embed with."),
     layer: int = typer.Option(-1, help="Hidden layer for the LLM methods (-1 = last)."),
     precision: str = typer.Option("float32", help="float32, int8 or binary (packed sign bits)."),
@@ -184,7 +185,7 @@ def embed(
 
     import numpy as np
 
-    from kvmem.embed import EMBEDDERS, LMEmbedder, get_embedder
+    from kvmem.embed import get_embedder, is_lm_method, parse_method
 
     if out.suffix not in (".npy", ".jsonl"):
         raise KVMemError(f"--out must end in .npy or .jsonl; got {out.name!r}")
@@ -193,10 +194,8 @@ def embed(
     texts = [t for t in texts if t]
     if not texts:
         raise KVMemError("no text to embed (empty input)")
-    if method not in EMBEDDERS:
-        raise KVMemError(f"unknown embedding method {method!r}; choose from {', '.join(EMBEDDERS)}")
-    needs_llm = issubclass(EMBEDDERS[method], LMEmbedder)
-    embedder = get_embedder(method, model=model if needs_llm else None, layer=layer)
+    parse_method(method)  # a bad method or option fails before the model loads
+    embedder = get_embedder(method, model=model if is_lm_method(method) else None, layer=layer)
     embedder.fit(texts)
     vectors = embedder.encode(texts, batch_size=batch_size, normalize_embeddings=normalize, precision=precision,
                               show_progress_bar=True)

@@ -141,18 +141,24 @@ class LMEmbedder(Embedder):
         `offset_mapping`) and the raw texts -> (B, D)."""
         raise NotImplementedError
 
-    def _forward(self, texts: list[str], layers: Sequence[int]) -> list[Tensor]:
+    def _tokenize(self, texts: list[str]):
+        """The right-padded batch of prompts, with `offset_mapping` (methods that edit the input override this)."""
         tok = self.tokenizer
         if tok.pad_token is None:  # any id will do: padding is masked and comes after the text
             tok.pad_token = tok.eos_token
-        batch = tok(self._texts(texts), return_tensors="pt", padding=True, padding_side="right",
-                    return_offsets_mapping=True)
-        offsets = batch.pop("offset_mapping")
+        return tok(self._texts(texts), return_tensors="pt", padding=True, padding_side="right",
+                   return_offsets_mapping=True)
+
+    def _hidden_states(self, batch) -> tuple[Tensor, ...]:
+        """All layers' hidden states of one batch (methods that change the forward pass override this)."""
         body = self.model.base_model  # the decoder without the LM head: no logits to compute
-        hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                      output_hidden_states=True, use_cache=False).hidden_states
-        batch["offset_mapping"] = offsets
-        return [self._pool(hidden[layer].float(), batch.attention_mask, batch, texts) for layer in layers]
+        return body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    output_hidden_states=True, use_cache=False).hidden_states
+
+    def _forward(self, texts: list[str], layers: Sequence[int]) -> list[Tensor]:
+        batch = self._tokenize(texts)
+        hidden = self._hidden_states(batch)
+        return [self._pool(hidden[layer].float(), batch["attention_mask"], batch, texts) for layer in layers]
 
     def _embed(self, texts: list[str]) -> Tensor:
         return self._forward(texts, [self.layer])[0]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from torch import Tensor
 
 from kvmem.embed.base import Embedder
