@@ -195,3 +195,14 @@ def test_retrieval_end_to_end(tmp_path):
     assert f"| smollm2-135m | mean | {f32[('abstracts', 30)]:.3f} | {chosen} | {f32[('abstracts', chosen)]:.3f} |" in report
     again = run_retrieval(["smollm2-135m"], ["mean", "tfidf"], ["abstracts"], tmp_path, layers=[10, -1], limit=12)
     assert again == rows  # everything was in records.jsonl: nothing recomputed, nothing lost
+
+    from pathlib import Path
+
+    from kvmem.eval.report import update_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- results: x -->\nold\n<!-- /results -->\nb\n<!-- retrieval: y -->\nold\n<!-- /retrieval -->\nc\n")
+    update_readme(Path(__file__).parents[1] / "results/longctx/results.json", readme, tmp_path / "results.json")
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("a\n") and text.endswith("c\n")
+    assert f"| mean | {f32[('abstracts', chosen)]:.3f} (layer {chosen}) |" in text

@@ -100,3 +100,14 @@ def test_token_prepending_edits_only_its_layers(smollm2):
     assert not np.allclose(a, c, atol=1e-3)
     with pytest.raises(KVMemError, match="start < exit"):
         get_embedder("token-prepending", smollm2, start=4, exit=2)
+
+
+@pytest.mark.parametrize("spec", ["mean", "last", "prompteol", "echo", "token-prepending", "kv-embedding:layers=11-13"])
+def test_every_llm_method_on_gemma(gemma3, spec):
+    emb = get_embedder(spec, gemma3)
+    batch = emb.encode(TEXTS, batch_size=2, normalize_embeddings=True)
+    assert batch.shape == (2, 640) and np.isfinite(batch).all()
+    np.testing.assert_allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-5)
+    alone = emb.encode(TEXTS[1], normalize_embeddings=True)  # no padding: the batch changes nothing
+    np.testing.assert_allclose(batch[1], alone, atol=1e-4)
+    assert not np.allclose(batch[0], batch[1], atol=1e-2)

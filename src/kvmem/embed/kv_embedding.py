@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvmem.embed.base import LMEmbedder
+from kvmem.embed.pooling import last_token, mean_pool
 from kvmem.errors import KVMemError
 
 TEMPLATE = 'Context: "{text}"\nCompress the context in one word:"'
@@ -168,8 +169,5 @@ class KVEmbedding(LMEmbedder):
                 h.remove()
 
     def _pool(self, hidden: Tensor, mask: Tensor, batch, texts: list[str]) -> Tensor:
-        weights = mask.clone().float()
-        weights[:, 0] = (mask.sum(1) == 1).float()  # skip the attention sink, as `mean` does
-        mean = (hidden * weights[..., None]).sum(1) / weights.sum(1, keepdim=True)
-        last = hidden[torch.arange(len(hidden)), mask.sum(1) - 1]
-        return (F.normalize(mean, dim=-1) + F.normalize(last, dim=-1)) / 2
+        mean = mean_pool(hidden, mask)  # the first token, an attention sink, left out as in `mean`
+        return (F.normalize(mean, dim=-1) + F.normalize(last_token(hidden, mask), dim=-1)) / 2

@@ -16,6 +16,19 @@ from torch import Tensor
 from kvmem.embed.base import LMEmbedder
 
 
+def mean_pool(hidden: Tensor, mask: Tensor, skip_first: bool = True) -> Tensor:
+    """(B, T, D) states, (B, T) right-padded mask -> (B, D) mean over real tokens (the first left out)."""
+    weights = mask.clone().float()
+    if skip_first:
+        weights[:, 0] = (mask.sum(1) == 1).float()  # a one-token text keeps its only token
+    return (hidden * weights[..., None]).sum(1) / weights.sum(1, keepdim=True)
+
+
+def last_token(hidden: Tensor, mask: Tensor) -> Tensor:
+    """(B, T, D) states, (B, T) right-padded mask -> (B, D) state of each row's last real token."""
+    return hidden[torch.arange(len(hidden)), mask.sum(1) - 1]
+
+
 class MeanPooling(LMEmbedder):
     name = "mean"
 
@@ -24,15 +37,11 @@ class MeanPooling(LMEmbedder):
         self.skip_first = skip_first
 
     def _pool(self, hidden: Tensor, mask: Tensor, batch, texts: list[str]) -> Tensor:
-        weights = mask.clone().float()
-        if self.skip_first:
-            weights[:, 0] = (mask.sum(1) == 1).float()  # a one-token text keeps its only token
-        return (hidden * weights[..., None]).sum(1) / weights.sum(1, keepdim=True)
+        return mean_pool(hidden, mask, self.skip_first)
 
 
 class LastToken(LMEmbedder):
     name = "last"
 
     def _pool(self, hidden: Tensor, mask: Tensor, batch, texts: list[str]) -> Tensor:
-        last = mask.sum(1) - 1  # right padding: the last real token
-        return hidden[torch.arange(len(hidden)), last]
+        return last_token(hidden, mask)

@@ -61,8 +61,10 @@ def headline(rows: list[dict]) -> list[str]:
     return lines
 
 
-def update_readme(results: Path = Path("results/longctx/results.json"), readme: Path = Path("README.md")) -> None:
-    """Rewrite the README's results block (between its `<!-- results` markers) from results.json."""
+def update_readme(results: Path = Path("results/longctx/results.json"), readme: Path = Path("README.md"),
+                  retrieval: Path = Path("results/retrieval/results.json")) -> None:
+    """Rewrite the README's results blocks (between its `<!-- results` and `<!-- retrieval` markers) from
+    the two benchmarks' results.json."""
     import json
     import re
 
@@ -83,6 +85,20 @@ def update_readme(results: Path = Path("results/longctx/results.json"), readme: 
     new = re.sub(r"<!-- results:.*?<!-- /results -->", lambda m: block, text, flags=re.S)
     if new == text and block not in text:
         raise ValueError(f"{readme} has no results block to update")
+    if retrieval.exists():
+        from kvmem.eval.retrieval import headline as retrieval_headline
+
+        block = "\n".join([
+            "<!-- retrieval: regenerated from results/retrieval/results.json (see results/retrieval/report.md) -->",
+            "nDCG@10 (cosine, float32) of each method on the two offline sets; an LLM method is scored at the layer "
+            "that did best on the *other* set (in brackets), so no layer is tuned on the queries it is scored on. "
+            "MiniLM and TF-IDF do not depend on the LLM. int8 / binary, R@1/10, MRR, z-scoring, throughput and "
+            "the vector index: [results/retrieval/report.md](results/retrieval/report.md).",
+            "",
+            *retrieval_headline(json.loads(retrieval.read_text())),
+            "<!-- /retrieval -->",
+        ])
+        new = re.sub(r"<!-- retrieval:.*?<!-- /retrieval -->", lambda m: block, new, flags=re.S)
     readme.write_text(new)
 
 

@@ -142,10 +142,13 @@ def standardize(queries: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.n
     return (queries - mean) / std, (docs - mean) / std
 
 
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
 def score(queries: np.ndarray, docs: np.ndarray, precision: str) -> np.ndarray:
     """(nq, nd) similarities of float32 embeddings quantized to `precision` (int8 calibrated on docs)."""
-    q = queries / np.maximum(np.linalg.norm(queries, axis=1, keepdims=True), 1e-12)
-    d = docs / np.maximum(np.linalg.norm(docs, axis=1, keepdims=True), 1e-12)
+    q, d = _unit(queries), _unit(docs)
     if precision == "float32":
         return q @ d.T
     if precision == "int8":
@@ -232,8 +235,7 @@ def _score_and_record(s: RetrievalSet, model: str, method: str, queries: dict, d
 def index_check(queries: np.ndarray, docs: np.ndarray, precision: str, k: int = 10) -> tuple[float, float]:
     """The documents (L2-normalised) in a `VectorIndex`: recall@k of its approximate (HNSW) search against
     its exact search, and the bytes per vector the index holds."""
-    q = queries / np.maximum(np.linalg.norm(queries, axis=1, keepdims=True), 1e-12)
-    d = docs / np.maximum(np.linalg.norm(docs, axis=1, keepdims=True), 1e-12)
+    q, d = _unit(queries), _unit(docs)
     found = []
     for exact in (True, False):
         index = VectorIndex(d.shape[1], precision, exact=exact)
@@ -268,6 +270,34 @@ def _row_line(r: dict) -> str:
             f"nDCG@10={r['ndcg@10']:.3f} R@1={r['recall@1']:.3f} R@10={r['recall@10']:.3f} MRR@10={r['mrr@10']:.3f}")
 
 
+def _best_layer(f32: dict, set_name: str, model: str, method: str) -> int | None:
+    """The layer with the best float32 nDCG@10 of (set, model, method); None if it was not run."""
+    cands = [(r["ndcg@10"], layer) for (s_, m_, me, layer), r in f32.items() if (s_, m_, me) == (set_name, model, method)]
+    return max(cands)[1] if cands else None
+
+
+def headline(rows: list[dict]) -> list[str]:
+    """README table: nDCG@10 of every method at the layer chosen on the other set (float32, cosine)."""
+    f32 = {(r["set"], r["model"], r["method"], r["layer"]): r for r in rows if r["precision"] == "float32"}
+    sets = [s_ for s_ in SETS if any(k[0] == s_ for k in f32)]
+    models = list(dict.fromkeys(k[1] for k in f32 if k[3] is not None))
+    methods = list(dict.fromkeys(k[2] for k in f32))
+    cols = [(s_, m) for s_ in sets for m in models]
+    lines = ["| method | " + " | ".join(f"{s_}: {m}" for s_, m in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for method in methods:
+        cells = []
+        for s_, m in cols:
+            other = [o for o in sets if o != s_]
+            if (s_, "-", method, None) in f32:
+                cells.append(_f(f32[(s_, "-", method, None)]["ndcg@10"]))
+                continue
+            layer = _best_layer(f32, other[0], m, method) if other else None
+            r = f32.get((s_, m, method, layer))
+            cells.append(f"{_f(r['ndcg@10'])} (layer {layer})" if r else "–")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _f(x: float | None) -> str:
     return "–" if x is None else f"{x:.3f}"
 
@@ -280,8 +310,7 @@ def report(rows: list[dict], data: dict[str, RetrievalSet], out: Path | None = N
     by = {(r["set"], r["model"], r["method"], r["layer"], r["precision"]): r for r in rows}
 
     def best_layer(set_name: str, model: str, method: str) -> int | None:
-        cands = [(r["ndcg@10"], layer) for (s_, m_, me, layer), r in f32.items() if (s_, m_, me) == (set_name, model, method)]
-        return max(cands)[1] if cands else None
+        return _best_layer(f32, set_name, model, method)
 
     lines = ["# kvmem retrieval benchmark", "", "Regenerate (`make bench` runs these; they may run in parallel):", "",
              "```", *BENCH_COMMANDS, "```", "", "The sets are described in `kvmem/eval/retrieval.py`.", "",
@@ -347,10 +376,11 @@ def plot_layers(rows: list[dict], data: dict[str, RetrievalSet], out: Path) -> P
 
     f32 = [r for r in rows if r["precision"] == "float32"]
     models = sorted({r["model"] for r in f32 if r["layer"] is not None})
+    sets = [name for name in data if any(r["set"] == name for r in f32)]
     if not models:
         return None
-    fig, axes = plt.subplots(len(data), len(models), figsize=(6 * len(models), 4 * len(data)), squeeze=False)
-    for i, name in enumerate(data):
+    fig, axes = plt.subplots(len(sets), len(models), figsize=(6 * len(models), 4 * len(sets)), squeeze=False)
+    for i, name in enumerate(sets):
         for j, model in enumerate(models):
             ax = axes[i][j]
             for method in dict.fromkeys(r["method"] for r in f32 if r["model"] == model and r["set"] == name):
@@ -363,8 +393,7 @@ def plot_layers(rows: list[dict], data: dict[str, RetrievalSet], out: Path) -> P
                     ax.text(0, r["ndcg@10"], r["method"], fontsize=7, va="bottom")
             ax.set(title=f"{name} — {model}", xlabel="layer", ylabel="nDCG@10")
             ax.legend(fontsize=7)
-    fig.tight_layout()
     path = out / "ndcg_by_layer.png"
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
