@@ -27,8 +27,8 @@ bench: setup
 	$(KVMEM) eval --models smollm2-135m --lengths 4096 --samples 3 --threads 1 --out results/longctx
 	$(KVMEM) eval --models gemma3-270m --lengths 4096 --samples 3 --threads 1 --out results/longctx
 	$(KVMEM) eval --models smollm2-135m --lengths 8192 --samples 2 --threads 1 --out results/longctx
-	$(KVMEM) eval --suite retrieval --models smollm2-135m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,minilm,tfidf --layers all --threads 1 --out results/retrieval
-	$(KVMEM) eval --suite retrieval --models gemma3-270m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none --layers all --threads 1 --out results/retrieval
+	$(KVMEM) eval --suite retrieval --models smollm2-135m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,kv-embedding:layers=1-7,kv-embedding:layers=20-26,kv-embedding:layers=all,minilm,tfidf --layers all --threads 1 --out results/retrieval
+	$(KVMEM) eval --suite retrieval --models gemma3-270m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,kv-embedding:layers=1-3,kv-embedding:layers=14-16,kv-embedding:layers=all --layers all --threads 1 --out results/retrieval
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 clean:

@@ -38,10 +38,13 @@ from kvmem.eval.tasks import load_abstracts
 
 SETS = ("abstracts", "questions")
 LM_BENCH_METHODS = "mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none"
+# kv-embedding's re-routing in other layer windows than its ID rule picks (early / late / all), per model
+KV_WINDOWS = {"smollm2-135m": "kv-embedding:layers=1-7,kv-embedding:layers=20-26,kv-embedding:layers=all",
+              "gemma3-270m": "kv-embedding:layers=1-3,kv-embedding:layers=14-16,kv-embedding:layers=all"}
 BENCH_COMMANDS = (  # keep in sync with the Makefile's bench target
-    f"kvmem eval --suite retrieval --models smollm2-135m --methods {LM_BENCH_METHODS},minilm,tfidf "
-    "--layers all --threads 1 --out results/retrieval",
-    f"kvmem eval --suite retrieval --models gemma3-270m --methods {LM_BENCH_METHODS} "
+    f"kvmem eval --suite retrieval --models smollm2-135m --methods {LM_BENCH_METHODS},{KV_WINDOWS['smollm2-135m']},"
+    "minilm,tfidf --layers all --threads 1 --out results/retrieval",
+    f"kvmem eval --suite retrieval --models gemma3-270m --methods {LM_BENCH_METHODS},{KV_WINDOWS['gemma3-270m']} "
     "--layers all --threads 1 --out results/retrieval",
 )
 QUESTIONS_FILE = Path(__file__).parent / "data" / "questions.txt"
@@ -383,6 +386,7 @@ def plot_layers(rows: list[dict], data: dict[str, RetrievalSet], out: Path) -> P
     for i, name in enumerate(sets):
         for j, model in enumerate(models):
             ax = axes[i][j]
+            ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more methods than the default 10 colours
             for method in dict.fromkeys(r["method"] for r in f32 if r["model"] == model and r["set"] == name):
                 pts = sorted((r["layer"], r["ndcg@10"]) for r in f32
                              if (r["set"], r["model"], r["method"]) == (name, model, method))
@@ -393,6 +397,7 @@ def plot_layers(rows: list[dict], data: dict[str, RetrievalSet], out: Path) -> P
                     ax.text(0, r["ndcg@10"], r["method"], fontsize=7, va="bottom")
             ax.set(title=f"{name} — {model}", xlabel="layer", ylabel="nDCG@10")
             ax.legend(fontsize=7)
+    fig.subplots_adjust(hspace=0.3)
     path = out / "ndcg_by_layer.png"
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
