@@ -111,3 +111,8 @@ def test_every_llm_method_on_gemma(gemma3, spec):
     alone = emb.encode(TEXTS[1], normalize_embeddings=True)  # no padding: the batch changes nothing
     np.testing.assert_allclose(batch[1], alone, atol=1e-4)
     assert not np.allclose(batch[0], batch[1], atol=1e-2)
+
+
+def test_too_long_text_is_a_clear_error(smollm2):
+    with pytest.raises(KVMemError, match="text too long to embed"):
+        get_embedder("mean", smollm2).encode("word " * 9000)

@@ -157,6 +157,10 @@ class LMEmbedder(Embedder):
 
     def _forward(self, texts: list[str], layers: Sequence[int]) -> list[Tensor]:
         batch = self._tokenize(texts)
+        limit = self.model.config.get_text_config().max_position_embeddings - 1  # kv-embedding's prefix takes one
+        if (longest := batch["input_ids"].shape[1]) > limit:
+            raise KVMemError(f"text too long to embed: {longest} tokens with the {self.name} prompt, the model's "
+                             f"context allows {limit}; split it into chunks")
         hidden = self._hidden_states(batch)
         return [self._pool(hidden[layer].float(), batch["attention_mask"], batch, texts) for layer in layers]
 

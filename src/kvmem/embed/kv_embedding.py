@@ -73,7 +73,7 @@ class ReRoute:
         if module.layer_idx not in self.layers:
             return None
         B, _, T, _ = key.shape
-        rows = torch.arange(B)
+        rows, dev = torch.arange(B, device=key.device), key.device
         cos, sin = self.rope[module.layer_idx]
         cos, sin = cos.expand(B, -1, -1)[rows, self.last, None], sin.expand(B, -1, -1)[rows, self.last, None]
         k_last = key[rows, :, self.last]  # (B, Hkv, D), rotated to its own position
@@ -84,12 +84,12 @@ class ReRoute:
         keys = torch.cat((k_prefix[:, :, None], key), dim=2)
         values = torch.cat((value[rows, :, self.last][:, :, None], value), dim=2)
 
-        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        i, j = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None, :]
         allowed = (j <= i)[None] & (j[None] < self.lengths[:, None, None])  # causal, right padding
         window = getattr(module, "sliding_window", None)
         if window:
             allowed &= (i - j < window)[None]
-        mask = torch.zeros(B, T, T + 1, dtype=query.dtype).masked_fill_(
+        mask = torch.zeros(B, T, T + 1, dtype=query.dtype, device=dev).masked_fill_(
             F.pad(~allowed, (1, 0)), float("-inf"))
         mask[:, :, 0] = self.bias  # the prefix slot: visible to every token, with the tunable bias
         groups = query.shape[1] // key.shape[1]
@@ -160,7 +160,7 @@ class KVEmbedding(LMEmbedder):
 
         handles = [body.layers[i].self_attn.register_forward_pre_hook(keep_rope(i), with_kwargs=True)
                    for i in self.reroute_layers]
-        positions = torch.arange(1, mask.shape[1] + 1)[None]  # position 0 is the prefix slot's
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)[None]  # position 0 is the prefix slot's
         try:
             return body(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
                         output_hidden_states=True, use_cache=False, kvmem_reroute=reroute).hidden_states
