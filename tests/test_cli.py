@@ -16,10 +16,12 @@ def run(*args: str):
     return runner.invoke(app, list(args))
 
 
-def test_methods_lists_all_seven():
+def test_methods_lists_compression_and_embedding_methods():
     out = run("methods").output
-    for name in ("full", "random", "streaming-llm", "h2o", "snapkv", "tova", "knorm"):
+    for name in ("full", "random", "streaming-llm", "h2o", "snapkv", "tova", "knorm", "mean", "last", "prompteol",
+                 "echo", "token-prepending", "kv-embedding", "minilm", "tfidf"):
         assert f"{name}:" in out
+    assert "layers='id'" in out and "exit=None" in out  # the embedders' options, for specs
 
 
 @pytest.mark.parametrize(

@@ -210,12 +210,23 @@ def embed(
 
 @app.command("methods")
 def methods_() -> None:
-    """List the compression methods and the papers they follow."""
-    from kvmem.compress import METHODS
+    """List the compression and embedding methods, the papers they follow, and the embedders' options."""
+    import inspect
 
+    from kvmem.compress import METHODS
+    from kvmem.embed import EMBEDDERS
+
+    console.print("[bold underline]compression[/bold underline] (kvmem generate/eval --method NAME)")
     for name, cls in METHODS.items():
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
         console.print(f"[bold]{name}[/bold]: {' '.join(doc[:3])}", highlight=False)
+    console.print("\n[bold underline]embedding[/bold underline] (kvmem embed --method NAME[:option=value...])")
+    for name, cls in EMBEDDERS.items():
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+        options = [f"{p.name}={p.default!r}" for p in inspect.signature(cls.__init__).parameters.values()
+                   if p.name not in ("self", "model", "tokenizer", "layer") and p.default is not p.empty]
+        console.print(f"[bold]{name}[/bold]: {doc[0] if doc else ''}" + (f"  options: {', '.join(options)}" if options else ""),
+                      highlight=False)
 
 
 @app.command("models")
