@@ -116,3 +116,14 @@ def test_every_llm_method_on_gemma(gemma3, spec):
 def test_too_long_text_is_a_clear_error(smollm2):
     with pytest.raises(KVMemError, match="text too long to embed"):
         get_embedder("mean", smollm2).encode("word " * 9000)
+
+
+@pytest.mark.parametrize("spec,problem", [
+    ("kv-embedding:bias=abc", "must be a number"), ("token-prepending:start=1.5", "must be an integer"),
+    ("token-prepending:exit=abc", "exit must be a layer number"), ("kv-embedding:layers=9-3", "empty range"),
+    ("kv-embedding:layers=abc", "'id', 'all', 'none'"), ("kv-embedding:template=plain", "exactly once"),
+    ("prompteol:template={text} {x}", "braces other than"),
+])
+def test_bad_options_are_named_errors(smollm2, spec, problem):
+    with pytest.raises(KVMemError, match=problem):
+        get_embedder(spec, smollm2)

@@ -2,8 +2,8 @@
 
 One file per method on the shared base in `base.py`. `get_embedder(spec, model=..., layer=...)` returns
 an embedder by its name, or a spec with options such as `kv-embedding:layers=8-14:bias=1` (the spelling
-results use); `model` is a `kvmem.models.LoadedModel` or a
-registry name, needed by the LLM methods (`mean`, `last`, `prompteol`, `echo`, `token-prepending`, `kv-embedding`) only.
+results use); `model` is a `kvmem.models.LoadedModel` or a registry name, needed by the LLM methods
+(`mean`, `last`, `prompteol`, `echo`, `token-prepending`, `kv-embedding`) only.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from kvmem.embed.tfidf import TfIdf
 from kvmem.embed.token_prepending import TokenPrepending
 from kvmem.errors import KVMemError
 
-EMBEDDERS: dict[str, type[Embedder]] = {e.name: e for e in (MeanPooling, LastToken, PromptEOL, Echo, TokenPrepending, KVEmbedding,
-                                                            MiniLM, TfIdf)}
+EMBEDDERS: dict[str, type[Embedder]] = {e.name: e for e in (MeanPooling, LastToken, PromptEOL, Echo, TokenPrepending,
+                                                            KVEmbedding, MiniLM, TfIdf)}
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -47,6 +47,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
 def _option_value(value: str):
     if re.fullmatch(r"\d+-\d+", value):
         a, b = map(int, value.split("-"))
+        if a > b:
+            raise KVMemError(f"empty range {value!r}: write low-high, e.g. 8-14")
         return list(range(a, b + 1))
     if re.fullmatch(r"\d+(\+\d+)+", value):
         return [int(v) for v in value.split("+")]
@@ -64,10 +66,17 @@ def get_embedder(spec: str, model=None, layer: int = -1, **options) -> Embedder:
     name, spec_options = parse_method(spec)
     options = {**spec_options, **options}
     cls = EMBEDDERS[name]
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "model", "tokenizer", "layer"}
-    if unknown := sorted(set(options) - accepted):
+    params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items()
+              if k not in ("self", "model", "tokenizer", "layer")}
+    if unknown := sorted(set(options) - set(params)):
         raise KVMemError(f"method {name!r} has no option {', '.join(unknown)}; its options: "
-                         f"{', '.join(sorted(accepted)) or 'none'}")
+                         f"{', '.join(sorted(params)) or 'none'}")
+    for key, value in options.items():  # a number where the method expects one (e.g. bias=abc is an error)
+        default = params[key].default
+        wanted = int if type(default) is int else float if type(default) is float else None
+        if wanted and (isinstance(value, bool) or not isinstance(value, (int, float) if wanted is float else int)):
+            raise KVMemError(f"option {key} of {name!r} must be {'an integer' if wanted is int else 'a number'}, "
+                             f"got {value!r}")
     if not issubclass(cls, LMEmbedder):
         return cls(**options)
     if model is None:

@@ -74,6 +74,19 @@ def hamming_scores(queries: np.ndarray, docs: np.ndarray) -> np.ndarray:
     return out
 
 
+def check_template(template: str, copies: int, method: str) -> str:
+    """A prompt template must hold `{text}` exactly `copies` times and no other format field."""
+    times = {1: "once", 2: "twice"}.get(copies, f"{copies} times")
+    if not isinstance(template, str) or template.count("{text}") != copies:
+        raise KVMemError(f"a {method} template needs {{text}} exactly {times}, got {template!r}")
+    try:
+        template.format(text="")
+    except (KeyError, IndexError, ValueError):
+        raise KVMemError(f"the {method} template {template!r} has braces other than {{text}} "
+                         "(write a literal brace twice: {{ or }})") from None
+    return template
+
+
 class Embedder:
     """Base class: subclasses set `name` and implement `_embed`; `fit` is for methods fitted on a corpus."""
 

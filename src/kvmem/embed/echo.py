@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kvmem.embed.base import LMEmbedder
-from kvmem.errors import KVMemError
+from kvmem.embed.base import LMEmbedder, check_template
 
 TEMPLATE = "Rewrite the sentence: {text}\nRewritten sentence: {text}"
 
@@ -21,9 +20,7 @@ class Echo(LMEmbedder):
 
     def __init__(self, model, tokenizer, layer: int = -1, template: str = TEMPLATE):
         super().__init__(model, tokenizer, layer)
-        if template.count("{text}") != 2:
-            raise KVMemError(f"an echo template needs {{text}} exactly twice, got {template!r}")
-        self.template = template
+        self.template = check_template(template, 2, self.name)
 
     def _texts(self, texts: list[str]) -> list[str]:
         return [self.template.format(text=t) for t in texts]

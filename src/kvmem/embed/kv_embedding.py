@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvmem.embed.base import LMEmbedder
+from kvmem.embed.base import LMEmbedder, check_template
 from kvmem.embed.pooling import last_token, mean_pool
 from kvmem.errors import KVMemError
 
@@ -105,7 +105,7 @@ class KVEmbedding(LMEmbedder):
     def __init__(self, model, tokenizer, layer: int = -1, layers: str | Sequence[int] = "id", bias: float = 0.0,
                  template: str = TEMPLATE):
         super().__init__(model, tokenizer, layer)
-        self.template, self.bias = template, float(bias)
+        self.template, self.bias = check_template(template, 1, self.name), float(bias)
         if layers == "id":
             self.reroute_layers = self.id_layers()
         elif layers == "all":

@@ -7,6 +7,7 @@ sentence's meaning into one word, and take the last token's hidden state at `lay
 
 from __future__ import annotations
 
+from kvmem.embed.base import check_template
 from kvmem.embed.pooling import LastToken
 
 TEMPLATE = 'This sentence : "{text}" means in one word:"'
@@ -17,7 +18,7 @@ class PromptEOL(LastToken):
 
     def __init__(self, model, tokenizer, layer: int = -1, template: str = TEMPLATE):
         super().__init__(model, tokenizer, layer)
-        self.template = template
+        self.template = check_template(template, 1, self.name)
 
     def _texts(self, texts: list[str]) -> list[str]:
         return [self.template.format(text=t) for t in texts]

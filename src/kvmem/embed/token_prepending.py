@@ -31,6 +31,8 @@ class TokenPrepending(LastToken):
 
     def __init__(self, model, tokenizer, layer: int = -1, start: int = 1, exit: int | None = None, seed: int = 0):
         super().__init__(model, tokenizer, layer)
+        if exit is not None and (isinstance(exit, bool) or not isinstance(exit, int)):
+            raise KVMemError(f"token-prepending exit must be a layer number, got {exit!r}")
         exit = max(start + 1, self.n_layers // 5) if exit is None else exit
         if not 0 <= start < exit <= self.n_layers:
             raise KVMemError(f"token-prepending needs 0 <= start < exit <= {self.n_layers}, got {start}, {exit}")
