@@ -52,12 +52,17 @@ def test_keep_all_is_bit_identical_on_real_models(name, n_tokens, request):
         for _ in range(4):
             tok = torch.tensor([[int(expected[-1].argmax())]])
             expected.append(lm.model(input_ids=tok, **kw).logits[0, -1])
-    cache = KVCache(lm.model.config, track_attention=True)
+    cache = KVCache(lm.model.config)
     got = [feed(lm, cache, ids)]
     compress(cache, get_method("snapkv"), 1.0)  # keep ratio 1.0: nothing evicted, nothing changed
     for _ in range(4):
         got.append(feed(lm, cache, [int(got[-1].argmax())]))
     assert torch.equal(torch.stack(got), torch.stack(expected))
+    # With track_attention the layer computes attention itself (to keep the weights): the same up to rounding.
+    tracked = KVCache(lm.model.config, track_attention=True)
+    got = [feed(lm, tracked, ids)] + [feed(lm, tracked, [int(e.argmax())]) for e in expected[:-1]]
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=2e-3, rtol=1e-4)
+    assert [int(g.argmax()) for g in got] == [int(e.argmax()) for e in expected]
 
 
 def test_hf_generate_matches_kvmem_decode_after_compression(smollm2):

@@ -29,7 +29,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -186,33 +185,29 @@ class KVLayer(CacheLayerMixin):
         self._append(key_states[0], value_states[0], new_pos)
         self.next_position = max(self.next_position, int(new_pos.max()) + 1)
         # What attention sees, taken before a sliding layer drops what later tokens cannot see.
-        seen_k, seen_p = self.head_keys, self.head_positions
+        observing = self.observe_window > 0 or self.track_attention
+        heads = (self.head_keys, self.head_values, self.head_positions) if observing or not self.dense else None
         if self.dense:  # live rows of the shared buffer: no copy
             n = self._n[0]
-            keys, values, kpos, valid = self._k[None, :, :n], self._v[None, :, :n], self._p[:, :n], None
-        else:  # heads of different lengths: pad, and mask the padding
-            keys = pad_sequence(seen_k, batch_first=True)[None]
-            values = pad_sequence(self.head_values, batch_first=True)[None]
-            kpos = pad_sequence(seen_p, batch_first=True, padding_value=-1)
-            lengths = torch.tensor(self._n, device=self.device)
-            valid = torch.arange(kpos.shape[1], device=self.device)[None, :] < lengths[:, None]
+            keys, values = self._k[None, :, :n], self._v[None, :, :n]
+            if self.compressed:
+                kwargs["kvmem_mask"] = self._allowed(self._p[:, :n], new_pos)[None]
+        else:  # heads of different lengths: attention runs per KV head on its exact rows (nothing padded)
+            kwargs["kvmem_heads"] = [(k, v, self._allowed(p[None], new_pos)[0]) for k, v, p in zip(*heads)]
+            keys, values = heads[0][0][None, None], heads[1][0][None, None]  # unread: kvmem_heads is used
         if self.is_sliding:
             self._trim_to_window()
-        if self.observe_window > 0 or self.track_attention:
+        if observing:
             kwargs["kvmem_layer"] = self
-            self._seen = (seen_k, seen_p, new_pos)
-        if self.compressed:
-            kwargs["kvmem_mask"] = self._allowed(kpos, new_pos, valid)[None]
+            self._seen = (*heads, new_pos)
         return keys, values
 
-    def _allowed(self, key_pos: Tensor, query_pos: Tensor, valid: Tensor | None = None) -> Tensor:
-        """Bool (heads, queries, keys): causal by original position, within the sliding window, not padding."""
+    def _allowed(self, key_pos: Tensor, query_pos: Tensor) -> Tensor:
+        """Bool (heads, queries, keys): causal by original position, within the sliding window."""
         qp, kp = query_pos[None, :, None], key_pos[:, None, :]
         allowed = kp <= qp
         if self.is_sliding:
             allowed &= (qp - kp) < self.sliding_window
-        if valid is not None:
-            allowed &= valid[:, None, :]
         return allowed
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -236,9 +231,11 @@ class KVLayer(CacheLayerMixin):
         raise KVMemError("kvmem caches hold one sequence; beam search is not supported")
 
     # -- observation, for scorers --------------------------------------------------------------------
-    def observe(self, query: Tensor, scaling: float) -> None:
-        """Record what scorers need from this forward's queries (called by kvmem's attention)."""
-        full_k, full_p, new_pos = self._seen
+    def observe(self, query: Tensor, scaling: float) -> Tensor | None:
+        """Record what scorers need from this forward's queries (called by kvmem's attention). With
+        `track_attention`, attention is computed here, explicitly, so that the weights it needs anyway are
+        also summed per key (H2O's accumulated attention); the output is returned, (1, Q, heads, head_dim)."""
+        full_k, full_v, full_p, new_pos = self._seen
         self._seen = None
         self.scaling = scaling
         q = query[0].detach()  # (query heads, new tokens, head_dim)
@@ -247,27 +244,35 @@ class KVLayer(CacheLayerMixin):
             prev_p = self.recent_positions if self.recent_positions is not None else new_pos[:0]
             self.recent_queries = torch.cat([prev_q, q[:, -self.observe_window:]], dim=1)[:, -self.observe_window:].clone()
             self.recent_positions = torch.cat([prev_p, new_pos[-self.observe_window:]])[-self.observe_window:].clone()
-        if self.track_attention:
-            self._accumulate_attention(q, scaling, full_k, full_p, new_pos)
+        out = self._attend_and_accumulate(q, scaling, full_k, full_v, full_p, new_pos) if self.track_attention else None
         if self.compressor is not None:
             self.compressor(self, self.layer_idx)
+        return out
 
-    def _accumulate_attention(self, q: Tensor, scaling: float, full_k, full_p, new_pos) -> None:
+    def _attend_and_accumulate(self, q: Tensor, scaling: float, full_k, full_v, full_p, new_pos) -> Tensor:
+        """Softmax attention per KV head in blocks of queries, over the keys each block can see; returns the
+        output and adds each key's received attention (summed over queries) to `head_attention`."""
         groups = q.shape[0] // self.num_heads
         if self.head_attention is None:
             self.head_attention = [q.new_zeros((groups, n)) for n in self._n]
+        out = q.new_empty((q.shape[0], q.shape[1], full_v[0].shape[-1]))
         for h in range(self.num_heads):
-            k, kp = full_k[h], full_p[h]  # positions increase along the head, so visible keys are a prefix
+            k, v, kp = full_k[h], full_v[h], full_p[h]  # positions increase along a head: visible keys are a range
             acc = q.new_zeros((groups, k.shape[0]))
-            qh = q[h * groups:(h + 1) * groups]
+            rows = slice(h * groups, (h + 1) * groups)
             for start in range(0, q.shape[1], _QUERY_CHUNK):
-                qp = new_pos[start:start + _QUERY_CHUNK]
-                n_visible = int((kp <= qp.max()).sum())
-                scores = torch.einsum("gqd,kd->gqk", qh[:, start:start + _QUERY_CHUNK], k[:n_visible]) * scaling
-                scores.masked_fill_(~self._allowed(kp[None, :n_visible], qp)[0][None], float("-inf"))
-                acc[:, :n_visible] += scores.softmax(dim=-1).sum(dim=1)
+                block = slice(start, start + _QUERY_CHUNK)
+                qp = new_pos[block]
+                hi = int(torch.searchsorted(kp, qp.max(), right=True))
+                lo = int(torch.searchsorted(kp, qp.min() - self.sliding_window, right=True)) if self.is_sliding else 0
+                scores = torch.matmul(q[rows, block], k[lo:hi].T) * scaling
+                scores.masked_fill_(~self._allowed(kp[None, lo:hi], qp)[0][None], float("-inf"))
+                weights = scores.softmax(dim=-1)
+                out[rows, block] = torch.matmul(weights, v[lo:hi])
+                acc[:, lo:hi] += weights.sum(dim=1)
             stored = self.head_attention[h].shape[1]  # stored tokens are the suffix of what attention saw
             self.head_attention[h] = self.head_attention[h] + acc[:, acc.shape[1] - stored:]
+        return out.transpose(0, 1)[None]
 
     # -- eviction ------------------------------------------------------------------------------------
     def keep_only(self, indices: list[Tensor]) -> None:
@@ -342,28 +347,42 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     """SDPA, with the per-head mask of a compressed kvmem layer when there is one, plus observation
     (or kv-embedding's re-routed prefix in the layers it asks for)."""
     mask = kwargs.pop("kvmem_mask", None)
+    heads = kwargs.pop("kvmem_heads", None)  # a layer whose heads hold different numbers of tokens
     layer = kwargs.pop("kvmem_layer", None)
     reroute = kwargs.pop("kvmem_reroute", None)  # kv-embedding's prefix slot (kvmem.embed.kv_embedding)
     scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     if reroute is not None and (out := reroute.attend(module, query, key, value, scaling)) is not None:
         return out
-    if mask is None:
+    if layer is not None and layer.track_attention:  # the layer computes attention itself, keeping the weights
+        if kwargs.get("softcap") is not None:
+            raise KVMemError("attention logit soft-capping is not supported with track_attention")
+        return layer.observe(query, scaling), None
+    if mask is None and heads is None:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     else:
         if kwargs.get("softcap") is not None:
             raise KVMemError("attention logit soft-capping is not supported on compressed kvmem layers")
-        groups = query.shape[1] // key.shape[1]
-        o = F.scaled_dot_product_attention(
-            query,
-            key.repeat_interleave(groups, dim=1),
-            value.repeat_interleave(groups, dim=1),
-            attn_mask=mask.repeat_interleave(groups, dim=1),
-            scale=scaling,
-        )
-        out = (o.transpose(1, 2).contiguous(), None)
+        if heads is None:
+            out = (masked_attention(query, key, value, mask, scaling), None)
+        else:
+            out = (torch.cat([masked_attention(q, k[None, None], v[None, None], allowed[None, None], scaling)
+                              for q, (k, v, allowed) in zip(query.chunk(len(heads), dim=1), heads)], dim=2), None)
     if layer is not None:
         layer.observe(query, scaling)
     return out
+
+
+def masked_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
+    """SDPA of query heads (B, Hq, Q, D) over KV heads (B, Hkv, T, D) with a per-KV-head bool mask
+    (B, Hkv, Q, T). The query heads sharing a KV head are stacked as extra query rows, so keys and values
+    are read in place (no repeat per query head). Returns (B, Q, Hq, D)."""
+    b, hq, q_len, d = query.shape
+    hkv = key.shape[1]
+    groups = hq // hkv
+    q = query.reshape(b, hkv, groups * q_len, d)
+    m = mask[:, :, None].expand(b, hkv, groups, q_len, mask.shape[-1]).reshape(b, hkv, groups * q_len, mask.shape[-1])
+    o = F.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)
+    return o.reshape(b, hq, q_len, -1).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(ATTENTION_NAME, kvmem_attention)

@@ -17,6 +17,7 @@ from kvmem.cache import KVCache
 from kvmem.compress import Method, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.models import LoadedModel
+from kvmem.prompts import build_prompt
 
 
 def new_cache(lm: LoadedModel, method: Method) -> KVCache:
@@ -62,25 +63,76 @@ def newline_ids(lm: LoadedModel) -> set[int]:
     return _NEWLINE_IDS[id(tok)]
 
 
+def normalize_text(text: str) -> str:
+    """Case- and whitespace-insensitive form used to look for answers in outputs."""
+    return " ".join(text.casefold().split())
+
+
+class StopRule:
+    """When greedy decoding of one answer ends: end of sequence, `max_new_tokens`, (with `stop_at_newline`)
+    the end of the first line that has a letter or digit, or (with `answers`) once every answer string is
+    in the output: more tokens cannot take a found answer away, so they would only cost time."""
+
+    def __init__(self, lm: LoadedModel, max_new_tokens: int, stop_at_newline: bool = True, answers=()):
+        self.tokenizer, self.max_new_tokens = lm.tokenizer, max_new_tokens
+        self.ends, self.newlines = end_ids(lm), newline_ids(lm) if stop_at_newline else set()
+        self.answers = [normalize_text(a) for a in answers]
+
+    def accept(self, out: list[int], token: int) -> bool:
+        """Append `token` to `out` unless it ends the answer; returns whether decoding goes on."""
+        if token in self.ends:
+            return False
+        if token in self.newlines and any(c.isalnum() for c in self.tokenizer.decode(out)):
+            return False
+        out.append(token)
+        if len(out) >= self.max_new_tokens:
+            return False
+        if self.answers:
+            text = normalize_text(self.tokenizer.decode(out))
+            return not all(a in text for a in self.answers)
+        return True
+
+
 @torch.no_grad()
 def decode(lm: LoadedModel, cache: KVCache, first_logits: Tensor, max_new_tokens: int,
-           stop_at_newline: bool = True) -> list[int]:
-    """Greedy decoding until end of sequence, `max_new_tokens`, a full context (the model's maximum
-    length), or (with `stop_at_newline`) the end of the first line that has any letter or digit."""
+           stop_at_newline: bool = True, answers=()) -> list[int]:
+    """Greedy decoding until the `StopRule` or a full context (the model's maximum length)."""
     out: list[int] = []
+    rule = StopRule(lm, max_new_tokens, stop_at_newline, answers)
     logits = first_logits
-    ends, newlines = end_ids(lm), newline_ids(lm) if stop_at_newline else set()
-    for step in range(max_new_tokens):
-        token = int(logits.argmax())
-        if token in ends:
-            break
-        if token in newlines and any(c.isalnum() for c in lm.tokenizer.decode(out)):
-            break
-        out.append(token)
-        if step == max_new_tokens - 1 or cache.get_seq_length() >= lm.max_context:
-            break  # the model's context is full: nothing more can be generated
-        logits = feed(lm, cache, [token])
+    while rule.accept(out, int(logits.argmax())) and cache.get_seq_length() < lm.max_context:
+        logits = feed(lm, cache, [out[-1]])
     return out
+
+
+@torch.no_grad()
+def answer_batch(lm: LoadedModel, caches: list[KVCache], question: list[int], max_new_tokens: int,
+                 stop_at_newline: bool = True, answers=()) -> list[list[int]]:
+    """Feed `question` on top of each cache and decode greedily, all caches in one batch (see kvmem.batch);
+    the caches themselves are not changed. Returns each row's answer tokens, as `decode` would."""
+    from kvmem.batch import BatchedCache
+
+    batch = BatchedCache(caches)
+    start = batch.get_seq_length()
+    if start + len(question) + max_new_tokens > lm.max_context:
+        max_new_tokens = lm.max_context - start - len(question)
+        if max_new_tokens < 1:
+            raise KVMemError(f"context too long: {start + len(question)} tokens leave no room to answer in {lm.max_context}")
+    rules = [StopRule(lm, max_new_tokens, stop_at_newline, answers) for _ in caches]
+    outs: list[list[int]] = [[] for _ in caches]
+    live = list(range(len(caches)))  # the answer (index into `caches`) in each batch row
+    ids = torch.tensor([question] * len(caches), dtype=torch.long, device=lm.model.device)
+    position = start
+    while live:
+        positions = torch.arange(position, position + ids.shape[1], device=lm.model.device)[None].expand(len(live), -1)
+        logits = lm.model(input_ids=ids, cache=batch, position_ids=positions, use_cache=True, logits_to_keep=1).logits[:, -1]
+        position += ids.shape[1]
+        going = [r for r, b in enumerate(live) if rules[b].accept(outs[b], int(logits[r].argmax()))]
+        if len(going) < len(live):  # finished answers leave the batch: later steps read only live rows
+            batch.keep_rows(going)
+            live = [live[r] for r in going]
+        ids = torch.tensor([[outs[b][-1]] for b in live], device=lm.model.device)
+    return outs
 
 
 @dataclass
@@ -101,20 +153,20 @@ def answer(
     query_aware: bool = False,
     max_new_tokens: int = 32,
     budget: str = "uniform",
+    raw_prompt: bool = False,
+    answer_prefix: str = "",
 ) -> Answer:
     """Read `context`, compress its KV with `method`, then answer `question` (the one-call API).
 
-    query_aware=False compresses the context before the question is seen (the reusable setting);
+    The prompt goes through the tokenizer's chat template (`kvmem.prompts`; `raw_prompt=True` for base
+    models). query_aware=False compresses the context before the question is seen (the reusable setting);
     True compresses after reading the question too, keeping the question's tokens.
     """
     m = get_method(method)
-    tok = lm.tokenizer
-    ctx = tok(context, add_special_tokens=True).input_ids
-    q = tok(question, add_special_tokens=False).input_ids
-    if not q:
-        raise KVMemError("the question is empty")
+    prompt = build_prompt(lm.tokenizer, context, question, answer_prefix, raw=raw_prompt)
+    ctx, q = prompt.context, prompt.question
     cache = new_cache(lm, m)
-    if not ctx:  # nothing to compress: just answer
+    if not context:  # no document (the context is the chat template's head alone): nothing to compress
         logits = feed(lm, cache, q)
         full_bytes = kept = cache.kv_bytes()
     else:
@@ -125,4 +177,4 @@ def answer(
         cache.drop_observations()
         logits = feed(lm, cache, q[-1:] if query_aware else q)
     tokens = decode(lm, cache, logits, max_new_tokens)
-    return Answer(tok.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())))
+    return Answer(lm.tokenizer.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())))

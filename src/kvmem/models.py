@@ -50,15 +50,34 @@ def _gemma3_gguf() -> Path:
     return target
 
 
+# Gemma 3's chat format (Google's published template, string messages only). The GGUF kvmem ships carries no
+# `tokenizer.chat_template`, so the registry supplies it; a turn ends with <end_of_turn>.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 @dataclass(frozen=True)
 class RegistryEntry:
     gguf: Callable[[], Path]
     description: str
+    chat_template: str | None = None  # used when the converted tokenizer has none
+    end_of_turn: str | None = None  # a token that also ends generation
 
 
 REGISTRY: dict[str, RegistryEntry] = {
     "smollm2-135m": RegistryEntry(_smollm2_gguf, "SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, 8k)"),
-    "gemma3-270m": RegistryEntry(_gemma3_gguf, "Gemma-3 270M (18 layers, 1 KV head, sliding 512 + global, 32k)"),
+    "gemma3-270m": RegistryEntry(_gemma3_gguf, "Gemma-3 270M (18 layers, 1 KV head, sliding 512 + global, 32k)",
+                                 GEMMA3_CHAT_TEMPLATE, "<end_of_turn>"),
 }
 
 
@@ -69,6 +88,7 @@ class LoadedModel:
     tokenizer: object
     fingerprint: str
     max_context: int
+    folder: Path | None = None  # where the weights were loaded from (None for an HF id)
 
     @property
     def config(self):
@@ -188,6 +208,13 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise KVMemError(f"cannot load a tokenizer for {name_or_path!r}: {str(e).splitlines()[0]}") from None
+    entry = REGISTRY.get(name_or_path)
+    if entry is not None and entry.chat_template and tokenizer.chat_template is None:
+        tokenizer.chat_template = entry.chat_template
+    if entry is not None and entry.end_of_turn:
+        eos = model.generation_config.eos_token_id
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        model.generation_config.eos_token_id = eos + [tokenizer.convert_tokens_to_ids(entry.end_of_turn)]
     text_cfg = model.config.get_text_config()
     return LoadedModel(
         name=name_or_path,
@@ -195,4 +222,5 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         tokenizer=tokenizer,
         fingerprint=fingerprint(model, tokenizer, _weights_hash(Path(folder))),
         max_context=int(text_cfg.max_position_embeddings),
+        folder=Path(folder) if Path(folder).exists() else None,
     )

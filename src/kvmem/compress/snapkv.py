@@ -25,7 +25,8 @@ class SnapKV(Method):
         votes = head.query_attention(last=self.window).sum(dim=1).mean(dim=0)  # (T,)
         in_window = head.positions >= head.query_positions[-self.window:].min()
         prefix = votes[~in_window]  # pooled on its own, as in the paper, so window votes do not leak into it
-        pooled = F.max_pool1d(prefix[None, None], self.kernel_size, stride=1, padding=self.kernel_size // 2)[0, 0]
         score = torch.full_like(votes, float("inf"))
-        score[~in_window] = pooled
+        if prefix.numel():  # a context no longer than the window has no prefix to choose from
+            score[~in_window] = F.max_pool1d(prefix[None, None], self.kernel_size, stride=1,
+                                             padding=self.kernel_size // 2)[0, 0]
         return score

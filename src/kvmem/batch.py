@@ -1,0 +1,108 @@
+"""Answer several caches of one prompt in one batched forward.
+
+Decoding on a CPU is bound by reading the weights, so answering B caches together costs little more
+than answering one. The benchmark answers one sample with every method and keep ratio at once this
+way; a server can decode concurrent requests together the same way.
+
+`BatchedCache` copies the rows of B `KVCache`s (same model, same next position; heads may hold any
+tokens) into one padded (B, heads, T, head_dim) buffer. Padding gets a position no query reaches, so
+the per-head mask built from positions (causal, sliding window) also hides it. The source caches are
+not changed. New tokens are appended at the same positions in every row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvmem.cache import KVCache, KVLayer
+from kvmem.errors import KVMemError
+
+_PAD_POSITION = torch.iinfo(torch.int32).max  # after every query: causally invisible
+
+
+class BatchedLayer(CacheLayerMixin):
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, layers: list[KVLayer], spare: int = 64):
+        if len({layer.next_position for layer in layers}) != 1:
+            raise KVMemError("batched caches must continue at the same position (one prompt, compressed differently)")
+        first = layers[0]
+        self.is_initialized = True
+        self.sliding_window, self.is_sliding = first.sliding_window, first.is_sliding
+        self.next_position = first.next_position
+        self.dtype, self.device = first.dtype, first.device
+        self.n = max(max(layer.lengths()) for layer in layers)
+        shape = (len(layers), first.num_heads, self.n + spare)
+        self.keys = first.head_keys[0].new_zeros((*shape, first.head_keys[0].shape[-1]))
+        self.values = first.head_values[0].new_zeros((*shape, first.head_values[0].shape[-1]))
+        self.positions = torch.full(shape, _PAD_POSITION, dtype=torch.int32, device=self.device)
+        for b, layer in enumerate(layers):
+            for h, (k, v, p) in enumerate(zip(layer.head_keys, layer.head_values, layer.head_positions)):
+                self.keys[b, h, :k.shape[0]], self.values[b, h, :k.shape[0]], self.positions[b, h, :k.shape[0]] = k, v, p
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: dict | None = None, **_) -> tuple[Tensor, Tensor]:
+        q = key_states.shape[2]
+        position_ids = (kwargs or {}).get("position_ids")
+        new_pos = (position_ids.reshape(-1, q)[0] if position_ids is not None else
+                   torch.arange(self.next_position, self.next_position + q)).to(device=self.device, dtype=torch.int32)
+        if self.n + q > self.keys.shape[2]:  # grow all rows together
+            grow = q + 64
+            pad = lambda t, fill: torch.cat([t, t.new_full((*t.shape[:2], grow, *t.shape[3:]), fill)], dim=2)  # noqa: E731
+            self.keys, self.values = pad(self.keys, 0), pad(self.values, 0)
+            self.positions = pad(self.positions, _PAD_POSITION)
+        self.keys[:, :, self.n:self.n + q] = key_states
+        self.values[:, :, self.n:self.n + q] = value_states
+        self.positions[:, :, self.n:self.n + q] = new_pos
+        self.n += q
+        self.next_position = max(self.next_position, int(new_pos.max()) + 1)
+        kp, qp = self.positions[:, :, None, :self.n], new_pos[None, None, :, None]
+        allowed = kp <= qp
+        if self.is_sliding:
+            allowed &= (qp - kp) < self.sliding_window
+        if kwargs is not None:
+            kwargs["kvmem_mask"] = allowed
+        return self.keys[:, :, :self.n], self.values[:, :, :self.n]
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep only these batch rows (finished answers leave the batch, so later steps read less)."""
+        self.keys, self.values, self.positions = self.keys[rows], self.values[rows], self.positions[rows]
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        raise KVMemError("a BatchedCache is built from filled caches")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n + query_length, 0  # kvmem's attention uses the mask built in update()
+
+    def get_seq_length(self) -> int:
+        return self.next_position
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise KVMemError("a BatchedCache cannot be reset")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise KVMemError("a BatchedCache does not support beam search")
+
+
+class BatchedCache(Cache):
+    """B caches of one prompt as one batch (see the module doc). `len(cache.rows)` is the batch size."""
+
+    def __init__(self, caches: list[KVCache]):
+        if not caches:
+            raise KVMemError("nothing to batch: no caches")
+        if len({len(c.layers) for c in caches}) != 1:
+            raise KVMemError("batched caches must come from the same model")
+        super().__init__(layers=[BatchedLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
+        self.rows = len(caches)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these rows (indices into the current batch), in this order."""
+        index = torch.tensor(rows, dtype=torch.long)
+        for layer in self.layers:
+            layer.keep_rows(index)
+        self.rows = len(rows)
