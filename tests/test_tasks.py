@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmem.eval.tasks import TASKS, Sample, load_abstracts, make_samples, perplexity_text, qa_candidates, score
+from kvmem.eval.tasks import (ATTRIBUTES, CITIES, FIRST_NAMES, LAST_NAMES, TASKS, Sample, _corpus_words, load_abstracts,
+                              make_samples, perplexity_text, qa_candidates, score)
 
 TOKENIZER_DIR = os.path.expanduser("~/.cache/kvmem/models/smollm2-135m")
 LENGTH = 1024
@@ -37,6 +38,7 @@ def test_task_names():
     assert set(TASKS) == {
         "niah-single-number", "niah-single-word", "niah-single-uuid", "niah-multikey", "niah-multivalue",
         "niah-multiquery", "passkey", "variable-tracking", "common-words", "qa-abstracts",
+        "fact-single", "fact-distractors", "two-hop", "qa-cloze",
     }
 
 
@@ -161,3 +163,38 @@ def test_perplexity_text(tokenizer, kind):
             assert context_text.index(continuation_text) < len(context_text) // 2
     assert perplexity_text(tokenizer, 1024, 128, 3, seed=0, kind=kind) == pairs
     assert perplexity_text(tokenizer, 1024, 128, 3, seed=1, kind=kind) != pairs
+
+
+def test_invented_names_are_not_in_the_abstracts():
+    words = _corpus_words()
+    assert not [w for w in FIRST_NAMES + LAST_NAMES + CITIES if w.lower() in words]
+
+
+@pytest.mark.parametrize("task,n_facts", [("fact-single", 1), ("fact-distractors", 5)])
+def test_facts_are_inserted_once_and_one_is_asked(task, n_facts, samples):
+    for s in samples[task]:
+        def pattern(template: str) -> str:
+            return re.escape(template).replace(re.escape("{p}"), r"([A-Z][a-z]+ [A-Z][a-z]+)").replace(re.escape("{v}"), r"(\w+)")
+
+        attr = next(a for a in ATTRIBUTES.values() if re.fullmatch(pattern(a.question), s.question.strip()))
+        found = dict(re.findall(pattern(attr.fact), s.context))
+        assert len(found) == n_facts  # n_facts people, each with one fact of the asked kind
+        person = next(p for p in found if p in s.question)
+        assert found[person] == s.answers[0] and s.context.count(s.answers[0]) == 1
+        assert s.answer_prefix.strip() == attr.prefix.format(p=person)
+
+
+def test_two_hop_needs_both_facts(samples):
+    for s in samples["two-hop"]:
+        project = re.search(r"leads the (.+) project", s.question).group(1)
+        leader = re.search(rf"The {project} project is led by ([A-Z][a-z]+ [A-Z][a-z]+)\.", s.context).group(1)
+        assert re.search(rf"{leader}'s office is in room {s.answers[0]}\.", s.context)
+        assert leader not in s.question  # the question names the project only: the person is the first hop
+        assert len(re.findall(r"project is led by", s.context)) == 2 and len(re.findall(r"office is in room", s.context)) == 2
+
+
+def test_qa_cloze_quotes_the_target_sentence(samples):
+    for s in samples["qa-cloze"]:
+        quoted = re.search(r'___: "(.*)" What', s.question).group(1)
+        assert quoted.count("___") >= 1 and s.answers[0] not in quoted
+        assert quoted.replace("___", s.answers[0]) in s.context

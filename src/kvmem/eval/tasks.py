@@ -11,6 +11,15 @@ Long-Context Language Models?"); everything is generated offline and determinist
 - `common-words`: name the 10 most frequent words of a long numbered word list.
 - `qa-abstracts`: name the method proposed in one abstract among many real abstracts.
 
+Tasks over real prose (the abstracts, not repeated filler), with facts about invented people:
+
+- `fact-single`: one inserted fact ("Mara Velden grew up in Lisbon."), asked for.
+- `fact-distractors`: five facts of the same kind about five people; one is asked for.
+- `two-hop`: fact A names the person who leads a project, fact B gives that person's office; the
+  question asks for the office starting from the project (plus a distractor pair of the same shape).
+- `qa-cloze`: one abstract's sentence is quoted with the proposed method's name blanked out; the model
+  finds the abstract among the others and names the method.
+
 `perplexity_text` cuts token sequences from the same abstracts for recall / next-text perplexity.
 The haystack text is `data/abstracts.txt` (one abstract per line), shipped with the package.
 """
@@ -26,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kvmem.errors import KVMemError
+from kvmem.generate import normalize_text
 
 DATA_FILE = Path(__file__).parent / "data" / "abstracts.txt"
 NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
@@ -48,7 +58,7 @@ onion orchard otter owl paddle parrot peach pebble pencil pepper piano pillow pi
 puppy rabbit raven ribbon river robin rocket saddle sailor salmon shovel squirrel sugar teapot
 tiger tomato tractor trumpet tulip turtle umbrella valley violin wagon walrus whistle window wizard
 """.split())
-MIN_CONTEXT_TOKENS = {"common-words": 768, "qa-abstracts": 1024}
+MIN_CONTEXT_TOKENS = {"common-words": 768, "qa-abstracts": 1024, "qa-cloze": 1024}
 DEFAULT_MIN_CONTEXT_TOKENS = 256
 
 
@@ -384,6 +394,20 @@ def qa_candidates() -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
+def _paragraphs_with(units: Sequence[Unit], n_words: int, inserted: str, depth: float) -> list[str]:
+    """The first `n_words` words of `units` as paragraphs (one per abstract), with `inserted` at `depth`."""
+    paragraphs: list[list[str]] = []
+    last = None
+    for para, sentence in _take_words(units, n_words):
+        if para != last:
+            paragraphs.append([])
+            last = para
+        paragraphs[-1].append(sentence)
+    texts = [" ".join(p) for p in paragraphs]
+    texts.insert(round(depth * len(texts)), inserted)
+    return texts
+
+
 def qa_abstracts(rng: random.Random, tokenizer, target: int) -> Sample:
     """Name the method proposed in one abstract hidden among many others."""
     abstracts = load_abstracts()
@@ -399,21 +423,113 @@ def qa_abstracts(rng: random.Random, tokenizer, target: int) -> Sample:
     preamble = "Below are abstracts of research papers. Read them carefully; a question follows.\n\n"
 
     def build(k: int) -> tuple[str, str, str]:
-        paragraphs: list[list[str]] = []
-        last = None
-        for para, sentence in _take_words(units, k):
-            if para != last:
-                paragraphs.append([])
-                last = para
-            paragraphs[-1].append(sentence)
-        texts = [" ".join(p) for p in paragraphs]
-        texts.insert(round(depth * len(texts)), abstracts[index])
+        texts = _paragraphs_with(units, k, abstracts[index], depth)
         body = "\n\n".join(f"Abstract {i}: {t}" for i, t in enumerate(texts, 1))
         return preamble + body, question, prefix
 
     n_words = sum(len(s.split()) for _, s in units)
     context, _, _ = _fit(tokenizer, build, target, n_words, 1.4, "qa-abstracts")
     return Sample("qa-abstracts", context, question, prefix, (name,), 24)
+
+
+# --- facts about invented people, hidden in real prose ---------------------------------------------
+
+FIRST_NAMES = tuple("""
+Mara Tomas Ilse Jonah Priya Kenji Sofia Emeka Lena Rafael Yusuf Greta Anika Mateo Nadia Oskar Leila Viktor
+Hana Felix Ingrid Amara Bruno Celia Dario Elif Farid Gisela Hugo Irene Jasper Kalinda Lorenzo Mirela Nils
+""".split())
+LAST_NAMES = tuple("""
+Velden Okafor Lindqvist Moreau Castellan Brandt Novak Haddad Ferreira Kowalski Tanaka Oyelaran Duchamp
+Silvestri Marsh Albrecht Renner Quintero Halvorsen Ibarra Jansen Koval Lacroix Mbeki Nakamura Ostrowski
+""".split())
+CITIES = tuple("""
+Lisbon Oslo Nairobi Quito Tbilisi Valencia Krakow Osaka Dakar Porto Hanoi Bergen Cusco Tallinn Seville
+Adelaide Bremen Lyon Zagreb Montevideo Marrakesh Reykjavik Helsinki Antwerp Bologna Cordoba Edinburgh
+""".split())  # none of these names occurs in the abstracts (checked in tests)
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """A kind of fact about a person: how it is stated, asked and answered."""
+
+    fact: str  # "{p}" is the person, "{v}" the value
+    question: str
+    prefix: str
+    value: Callable[[random.Random], str]
+
+
+ATTRIBUTES = {
+    "room": Attribute("{p}'s office is in room {v}.", "In which room is {p}'s office?", "{p}'s office is in room",
+                      lambda rng: str(rng.randint(100, 9999))),
+    "city": Attribute("{p} grew up in {v}.", "In which city did {p} grow up?", "{p} grew up in",
+                      lambda rng: rng.choice(CITIES)),
+    # Years of the 1900s: the abstracts mention only 1954. (A "locker code" fact made SmolLM2 answer with code.)
+    "year": Attribute("{p} was born in {v}.", "In which year was {p} born?", "{p} was born in",
+                      lambda rng: str(rng.choice([y for y in range(1901, 1990) if y != 1954]))),
+}
+FACTS_PREAMBLE = "Below are abstracts of research papers, with a few facts about people mixed in. A question follows.\n\n"
+
+
+def _person(rng: random.Random) -> str:
+    return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+
+
+def _facts_sample(task: str, rng: random.Random, tokenizer, target: int, n_people: int) -> Sample:
+    """`n_people` facts of one kind about different people; one of them is asked for."""
+    attr = ATTRIBUTES[rng.choice(sorted(ATTRIBUTES))]
+    people, values = _distinct(lambda: _person(rng), n_people), _distinct(lambda: attr.value(rng), n_people)
+    facts = [attr.fact.format(p=p, v=v) for p, v in zip(people, values)]
+    asked = rng.randrange(n_people)
+    return _needle_sample(task, rng, tokenizer, target, list(zip(_depths(rng, n_people), facts)),
+                          "\n" + attr.question.format(p=people[asked]), " " + attr.prefix.format(p=people[asked]),
+                          [values[asked]], 16, FACTS_PREAMBLE)
+
+
+def fact_single(rng: random.Random, tokenizer, target: int) -> Sample:
+    """One fact about an invented person in real prose."""
+    return _facts_sample("fact-single", rng, tokenizer, target, 1)
+
+
+def fact_distractors(rng: random.Random, tokenizer, target: int) -> Sample:
+    """Five facts of the same kind about five people; one is asked for."""
+    return _facts_sample("fact-distractors", rng, tokenizer, target, 5)
+
+
+def two_hop(rng: random.Random, tokenizer, target: int) -> Sample:
+    """Project -> leader -> office room, with a second project/leader/room chain as a distractor."""
+    projects = _distinct(lambda: f"{rng.choice(ADJECTIVES).title()} {rng.choice(NOUNS).title()}", 2)
+    people, rooms = _distinct(lambda: _person(rng), 2), _distinct(lambda: str(rng.randint(100, 9999)), 2)
+    facts = [f"The {proj} project is led by {p}." for proj, p in zip(projects, people)]
+    facts += [f"{p}'s office is in room {r}." for p, r in zip(people, rooms)]
+    return _needle_sample(
+        "two-hop", rng, tokenizer, target, list(zip(_depths(rng, 4), facts)),
+        f"\nIn which room is the office of the person who leads the {projects[0]} project?",
+        f" The {projects[0]} project is led by", [rooms[0]], 32, FACTS_PREAMBLE)
+
+
+def _sentence_with(abstract: str, name: str) -> str:
+    pattern = _name_pattern(name)
+    return next(s for s in _sentences()[load_abstracts().index(abstract)] if pattern.search(s))
+
+
+def qa_cloze(rng: random.Random, tokenizer, target: int) -> Sample:
+    """An abstract's sentence quoted with the proposed method's name blanked out: name the method."""
+    abstracts = load_abstracts()
+    index, name = rng.choice([c for c in qa_candidates() if len(abstracts[c[0]]) <= 2 * target])
+    pattern = _name_pattern(name)
+    blanked = pattern.sub("___", _sentence_with(abstracts[index], name))
+    pool = [i for i, text in enumerate(abstracts) if i != index and not pattern.search(text)]
+    units = _abstract_stream(rng, 10**9, pool=pool, repeat=False)
+    depth = rng.uniform(0.05, 0.95)
+    preamble = "Below are abstracts of research papers. Read them carefully; a question follows.\n\n"
+
+    def build(k: int) -> tuple[str, str, str]:
+        return preamble + "\n\n".join(_paragraphs_with(units, k, abstracts[index], depth)), "", ""
+
+    n_words = sum(len(s.split()) for _, s in units)
+    context, _, _ = _fit(tokenizer, build, target - _count(tokenizer, blanked) - 40, n_words, 1.4, "qa-cloze")
+    question = f'\nOne of the abstracts contains this sentence, with a name replaced by ___: "{blanked}" What is the name?'
+    return Sample("qa-cloze", context, question, " The name is", (name,), 24)
 
 
 TASKS: dict[str, Callable[[random.Random, object, int], Sample]] = {
@@ -427,6 +543,10 @@ TASKS: dict[str, Callable[[random.Random, object, int], Sample]] = {
     "variable-tracking": variable_tracking,
     "common-words": common_words,
     "qa-abstracts": qa_abstracts,
+    "fact-single": fact_single,
+    "fact-distractors": fact_distractors,
+    "two-hop": two_hop,
+    "qa-cloze": qa_cloze,
 }
 
 
@@ -444,16 +564,17 @@ def make_samples(task: str, tokenizer, context_tokens: int, n: int, seed: int = 
     return [TASKS[task](random.Random(f"{task}:{seed}:{i}"), tokenizer, context_tokens) for i in range(n)]
 
 
-def _normalize(text: str) -> str:
-    return " ".join(text.casefold().split())
+def score_output(answers: Sequence[str], output: str) -> float:
+    """Fraction of `answers` found in `output` (case-insensitive, whitespace-normalized)."""
+    if not answers:
+        return 0.0
+    out = normalize_text(output)
+    return sum(normalize_text(a) in out for a in answers) / len(answers)
 
 
 def score(sample: Sample, output: str) -> float:
-    """Fraction of `sample.answers` found in `output` (case-insensitive, whitespace-normalized)."""
-    if not sample.answers:
-        return 0.0
-    out = _normalize(output)
-    return sum(_normalize(a) in out for a in sample.answers) / len(sample.answers)
+    """Fraction of `sample.answers` found in `output` (RULER's string match)."""
+    return score_output(sample.answers, output)
 
 
 def perplexity_text(tokenizer, context_tokens: int, continuation_tokens: int, n: int, seed: int = 0,
