@@ -1,0 +1,77 @@
+"""The speed and memory benchmark end to end at a tiny length (values checked for sanity, never timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvmem.cli import app
+from kvmem.compress import METHODS
+from kvmem.eval.speed import DECODE_KINDS, SpeedConfig, goals, run_speed, speed_section
+
+
+@pytest.fixture(scope="module")
+def speed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("speed")
+    cfg = SpeedConfig(models=["smollm2-135m"], lengths=[160], threads=1, out=out, decode_steps=3, warmup=1,
+                      memory_decode=2, compress_repeats=1, memory_jobs=2)
+    run_speed(cfg, progress=False)
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_every_configuration_is_measured(speed_run):
+    out, data = speed_run
+    rows = data["rows"]
+    assert data["meta"]["threads"] == 1 and data["meta"]["commit"] and data["meta"]["date"]
+    by = {(r["measure"], r.get("cache") or (r["method"], r["budget"])): r for r in rows}
+    expected = {("prefill", k) for k in ("dynamic", "kvmem", "kvmem-tracked")}
+    expected |= {("compress", (m, "uniform")) for m in METHODS if m != "full"} | {("compress", ("snapkv", "adaptive"))}
+    expected |= {("decode", k) for k in DECODE_KINDS} | {("memory", k) for k in DECODE_KINDS}
+    assert set(by) == expected and len(rows) == len(expected)
+    assert all(r["model"] == "smollm2-135m" and r["context_tokens"] == 160 for r in rows)
+    for r in rows:
+        if r["measure"] in ("prefill", "compress"):
+            assert len(r["seconds"]) >= 1 and all(s > 0 for s in r["seconds"])
+        if r["measure"] == "compress":
+            assert 0 < r["fraction_of_prefill"] and r["kv_bytes"] < 0.5 * r["kv_bytes_full"]
+        if r["measure"] == "decode":
+            assert len(r["ms"]) == 3 and r["q25_ms"] <= r["median_ms"] <= r["q75_ms"] and r["median_ms"] > 0
+    report = (out / "report.md").read_text()
+    assert "## Speed and memory" in report and (out / "decode_ms.png").stat().st_size > 0
+
+
+def test_compressed_caches_hold_fewer_bytes_and_adaptive_is_ragged(speed_run):
+    _, data = speed_run
+    for measure in ("decode", "memory"):
+        kv = {r["cache"]: r for r in data["rows"] if r["measure"] == measure}
+        assert kv["kvmem-full"]["kv_bytes"] >= kv["dynamic"]["kv_bytes"] * 0.9
+        for kind in ("snapkv-0.25", "snapkv-0.25-adaptive"):
+            assert kv[kind]["kv_bytes"] < 0.5 * kv["kvmem-full"]["kv_bytes"], (measure, kind)
+        assert kv["snapkv-0.25"]["ragged_layers"] == 0 and kv["snapkv-0.25-adaptive"]["ragged_layers"] > 0
+        assert kv["dynamic"]["ragged_layers"] == kv["kvmem-full"]["ragged_layers"] == 0
+    for r in data["rows"]:
+        if r["measure"] == "memory":  # measured bytes: a loaded 135M-parameter float32 model is > 400 MiB
+            assert r["rss_loaded_bytes"] > 400 * 2**20 and r["peak_rss_bytes"] > 0 and r["ru_maxrss_bytes"] > 0
+            assert r["peak_excludes_loading"] and r["malloc_mmap_threshold"] == str(128 * 1024)
+
+
+def test_speed_section_states_both_goals(speed_run):
+    _, data = speed_run
+    lines = speed_section(data["rows"])
+    text = "\n".join(lines)
+    assert "Compression adds <= 5% to prefill" in text and "no slower than from DynamicCache" in text
+    g = goals(data["rows"])
+    assert isinstance(g["compress"]["met"], bool) and isinstance(g["decode"]["met"], bool)
+    goal_line = next(line for line in lines if "Compression adds" in line)
+    assert ("**met**" in goal_line) == g["compress"]["met"]
+    assert "tracked / untracked prefill time smollm2-135m @ 160" in text
+
+
+def test_cli_speed_suite_rejects_bad_methods_before_running(tmp_path):
+    result = CliRunner().invoke(app, ["eval", "--suite", "speed", "--methods", "full", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "'full' compresses nothing" in result.output
+    result = CliRunner().invoke(app, ["eval", "--suite", "speed", "--methods", "snapkv2", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown method 'snapkv2'" in result.output
+    assert not (tmp_path / "results.json").exists()
