@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 KVMEM  := $(VENV)/bin/kvmem
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench report clean
+.PHONY: setup demo test bench bench-smollm2 bench-gemma bench-speed bench-retrieval race race-setup clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -22,14 +22,51 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# The committed long-context report (hours on 2 CPU cores): see README "Results".
+# The committed benchmarks (hours on 2 CPU cores; every run resumes from its records): the long-context
+# suite as two 1-thread processes side by side, then speed and memory, then retrieval; the README's
+# results blocks are regenerated from them.
+SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --methods full,random,streaming-llm,h2o,snapkv,tova,knorm \
+         --tasks fact-single,fact-distractors,niah-single-number,two-hop,qa-cloze --threads 1 --out results/longctx
+
 bench: setup
-	$(KVMEM) eval --models smollm2-135m --lengths 4096 --samples 3 --threads 1 --out results/longctx
-	$(KVMEM) eval --models gemma3-270m --lengths 4096 --samples 3 --threads 1 --out results/longctx
-	$(KVMEM) eval --models smollm2-135m --lengths 8192 --samples 2 --threads 1 --out results/longctx
-	$(KVMEM) eval --suite retrieval --models smollm2-135m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,kv-embedding:layers=1-7,kv-embedding:layers=20-26,kv-embedding:layers=all,minilm,tfidf --layers all --threads 1 --out results/retrieval
-	$(KVMEM) eval --suite retrieval --models gemma3-270m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,kv-embedding:layers=1-3,kv-embedding:layers=14-16,kv-embedding:layers=all --layers all --threads 1 --out results/retrieval
+	$(MAKE) -j2 bench-smollm2 bench-gemma
+	$(MAKE) bench-speed bench-retrieval
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
+bench-smollm2: setup
+	$(KVMEM) eval --models smollm2-135m --lengths 2048,4096 $(SUITE)
+
+bench-gemma: setup
+	$(KVMEM) eval --models gemma3-270m --lengths 4096,8192 $(SUITE)
+
+bench-speed: setup
+	$(KVMEM) eval --suite speed --models smollm2-135m,gemma3-270m --lengths 2048,4096,8192 --threads 1 --out results/speed
+
+bench-retrieval: setup
+	$(KVMEM) eval --suite retrieval --models smollm2-135m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,kv-embedding:layers=1-7,kv-embedding:layers=20-26,kv-embedding:layers=all,minilm,tfidf --layers all --threads 1 --out results/retrieval
+	$(KVMEM) eval --suite retrieval --models gemma3-270m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,kv-embedding:layers=1-3,kv-embedding:layers=14-16,kv-embedding:layers=all --layers all --threads 1 --out results/retrieval
+
+# The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
+# KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first 10 samples a task.
+race: setup race-setup
+	$(KVMEM) race --presses random,streaming-llm,snapkv,tova,knorm,expected-attention,ada-expected-attention,keydiff,pyramidkv
+	$(KVMEM) race --presses kvzip,observed-attention --first 10
+	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
+
+# The kvpress side of `make race`: kvpress 0.5.5 pins transformers<5.3, kvmem needs 5.24, so it gets its
+# own venv; src/kvmem/eval/kvpress_runner.py runs there (by path) and imports nothing from kvmem.
+RACE_VENV  := .venv-race
+RACE_STAMP := $(RACE_VENV)/.installed
+
+$(RACE_STAMP): Makefile
+	python3 -m venv $(RACE_VENV)
+	$(RACE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(RACE_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(RACE_VENV)/bin/python -m pip install -q kvpress==0.5.5
+	$(RACE_VENV)/bin/python -c "import kvpress, transformers; print('kvpress 0.5.5 on transformers', transformers.__version__)"
+	touch $(RACE_STAMP)
+
+race-setup: $(RACE_STAMP)
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(RACE_VENV) build src/*.egg-info

@@ -59,23 +59,26 @@ def test_generate_reads_a_context_file(tmp_path):
 
 
 def test_eval_writes_results_report_and_plot(tmp_path):
-    result = run("eval", "--lengths", "512", "--samples", "1", "--tasks", "passkey,ppl-next",
+    result = run("eval", "--lengths", "512", "--samples", "2", "--tasks", "fact-single,ppl-next",
                  "--methods", "full,knorm,streaming-llm", "--ratios", "1.0,0.5", "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    keys = {(r["task"], r["setting"], r["method"], r["keep_ratio"]) for r in records}
+    assert ("fact-single", "agnostic", "knorm", 0.5) in keys and ("fact-single", "aware", "streaming-llm", 0.5) in keys
+    assert ("ppl-next", "agnostic", "knorm", 0.5) in keys
     rows = json.loads((tmp_path / "results.json").read_text())
-    keys = {(r["task"], r["setting"], r["method"], r["keep_ratio"]) for r in rows}
-    assert ("passkey", "agnostic", "knorm", 0.5) in keys and ("passkey", "aware", "streaming-llm", 1.0) in keys
     for r in rows:
-        assert r["kv_bytes"] > 0 and 0 < r["fraction_kept"] <= 1.0
+        assert r["kv_bytes"] > 0 and 0 < r["fraction_kept"] <= 1.0 and r["lo"] <= r["score"] <= r["hi"] and r["n"] >= 1
         if r["keep_ratio"] == 0.5:
             assert r["fraction_kept"] < 0.7
     report = (tmp_path / "report.md").read_text()
-    assert "Full-cache score per task" in report
-    assert list(tmp_path.glob("score_vs_kept_*.png"))
+    assert "## Which tasks count" in report and "| fact-single |" in report
+    if any(r["task"] == "mean" for r in rows):  # the model answered with its full cache: there is a headline
+        assert list(tmp_path.glob("score_vs_kept_*.png"))
 
 
 def test_generate_without_context_just_answers():
-    result = run("generate", "--prompt", "The capital of Germany is Berlin. The capital of France is", "--max-new-tokens", "4")
+    result = run("generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12")
     assert result.exit_code == 0, result.output
     assert "Paris" in result.output
 

@@ -201,8 +201,8 @@ def test_retrieval_end_to_end(tmp_path):
     from kvmem.eval.report import update_readme
 
     readme = tmp_path / "README.md"
-    readme.write_text("a\n<!-- results: x -->\nold\n<!-- /results -->\nb\n<!-- retrieval: y -->\nold\n<!-- /retrieval -->\nc\n")
-    update_readme(Path(__file__).parents[1] / "results/longctx/results.json", readme, tmp_path / "results.json")
+    readme.write_text("a\n<!-- results: x -->\nSTALE\n<!-- /results -->\nb\n<!-- retrieval: y -->\nSTALE\n<!-- /retrieval -->\nc\n")
+    update_readme(Path(__file__).parents[1] / "results/longctx", readme, tmp_path / "results.json")
     text = readme.read_text()
-    assert "old" not in text and text.startswith("a\n") and text.endswith("c\n")
+    assert "STALE" not in text and text.startswith("a\n") and text.endswith("c\n")
     assert f"| mean | {f32[('abstracts', chosen)]:.3f} (layer {chosen}) |" in text

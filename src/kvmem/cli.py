@@ -73,20 +73,21 @@ def demo(
     methods = ["full", "streaming-llm", "h2o", "snapkv", "tova", "knorm", "random"]
     lm = load_model(model)
     console.print(f"model [bold]{lm.name}[/bold] (fingerprint {lm.fingerprint}), keep ratio {keep_ratio}")
-    for task in ("niah-single-number", "passkey"):
+    for task in ("fact-single", "niah-single-number"):
         sample = make_samples(task, lm.tokenizer, length, 1, seed=7)[0]
         console.rule(f"{task}: {length}-token document")
-        console.print(f"question:{sample.question}{sample.answer_prefix} …   [dim](expected: {', '.join(sample.answers)})[/dim]")
-        with console.status("prefill once, then every method on a copy of the cache ..."):
+        console.print(f"question: {sample.question.strip()} → {sample.answer_prefix.strip()} …   "
+                      f"[dim](expected: {', '.join(sample.answers)})[/dim]")
+        with console.status("prefill once, then every method on a copy of the cache, answered in one batch ..."):
             records = run_sample(lm, sample, methods, [keep_ratio])
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        for col, width in (("setting", 8), ("method", 13), ("KV MiB", 6), ("kept", 4), ("answer", 0), ("correct", 7), ("time", 6)):
+        for col, width in (("setting", 8), ("method", 13), ("KV MiB", 6), ("kept", 4), ("answer", 0), ("correct", 7), ("compress", 8)):
             table.add_column(col, no_wrap=True, min_width=width or None, max_width=width or 20, overflow="ellipsis")
         for r in records:
             table.add_row(r["setting"], r["method"], f"{r['kv_bytes'] / 2**20:.1f}",
                           f"{r['kv_bytes'] / r['kv_bytes_full']:.2f}", " ".join(r["output"].split())[:32],
                           "[green]yes[/green]" if r["score"] == 1 else ("[yellow]part[/yellow]" if r["score"] else "[red]no[/red]"),
-                          f"{r['wall_s']:.1f}s")
+                          f"{r['compress_s'] * 1000:.0f} ms")
         console.print(table)
 
 
@@ -101,6 +102,7 @@ def generate(
     query_aware: bool = typer.Option(False, help="Compress after reading the prompt too (not reusable across prompts)."),
     budget: str = typer.Option("uniform", help="uniform: every head keeps the same fraction; adaptive: heads share a layer's budget."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate (stops at end of line)."),
+    raw_prompt: bool = typer.Option(False, help="No chat template: the context and prompt as plain text (base models)."),
 ) -> None:
     """Read a context, compress its KV cache, answer the prompt; prints the answer and the memory held."""
     from kvmem.compress import get_method
@@ -114,7 +116,7 @@ def generate(
         raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
     context = context_file.read_text() if context_file else ""
     lm = load_model(model)
-    a = answer(lm, context, "\n" + prompt if context else prompt, method, keep_ratio, query_aware, max_new_tokens, budget)
+    a = answer(lm, context, prompt, method, keep_ratio, query_aware, max_new_tokens, budget, raw_prompt=raw_prompt)
     console.print(a.text.strip(), highlight=False)
     console.print(f"[dim]KV held {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
                   f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}[/dim]", highlight=False)
@@ -123,7 +125,7 @@ def generate(
 @app.command("eval")
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity) or retrieval (embeddings)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings) or speed (time and memory)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's)."),
@@ -135,9 +137,11 @@ def eval_(
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default). Two 1-thread runs can beat one 2-thread run."),
     layers: str = typer.Option("-1", help="retrieval: comma-separated hidden layers for the LLM embedders (-1 = last), or 'all'."),
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
+    raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
-    retrieval: embedding methods on the offline retrieval sets (abstracts, questions)."""
+    retrieval: embedding methods on the offline retrieval sets (abstracts, questions).
+    speed: prefill / compression / decode time and peak memory per cache kind (--methods: methods to time)."""
     import torch
 
     if threads:
@@ -151,20 +155,51 @@ def eval_(
                       out, layers="all" if layers == "all" else _csv(layers, int), limit=limit)
         console.print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
         return
+    if suite == "speed":
+        from kvmem.eval.speed import SpeedConfig, run_speed
+
+        cfg = SpeedConfig(models=_csv(models), lengths=_csv(lengths, int), threads=threads,
+                          out=out or Path("results/speed"), **({"methods": _csv(methods)} if methods else {}))
+        path = run_speed(cfg)
+        console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
+        return
     out = out or Path("results/longctx")
     from kvmem.compress import METHODS
     from kvmem.eval.longctx import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
-        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval")
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed")
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),
         methods=_csv(methods) if methods else list(METHODS),
-        ratios=_csv(ratios, float), samples=samples, seed=seed, out=out,
+        ratios=_csv(ratios, float), samples=samples, seed=seed, out=out, raw_prompt=raw_prompt,
     )
     path = run(cfg)
     console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
+
+
+@app.command()
+@clean_errors
+def race(
+    models: Optional[str] = typer.Option(None, help="Comma-separated models (default: every model the suite ran)."),
+    lengths: Optional[str] = typer.Option(None, help="Comma-separated context lengths (default: all the suite ran)."),
+    bench: Path = typer.Option(Path("results/longctx"), help="The long-context suite's folder: its swept tasks are raced."),
+    out: Path = typer.Option(Path("results/race"), help="Where kvpress's records, logs and runs go."),
+    venv: Path = typer.Option(Path(".venv-race"), help="kvpress's own virtualenv (make race-setup)."),
+    samples: int = typer.Option(30, help="Samples per task (the suite's count)."),
+    threads: int = typer.Option(1, help="torch threads per runner process (one process per model)."),
+    check: int = typer.Option(0, help="Instead: compare kvpress's own pipeline with the harness on N samples a model."),
+    presses: Optional[str] = typer.Option(None, help="Comma-separated kvpress presses to run (default: all)."),
+    first: Optional[int] = typer.Option(None, help="Run them on the first N samples of each task only."),
+) -> None:
+    """Race kvpress on the suite's prompts: its presses run in their own virtualenv on the same token ids, and
+    their answers are scored like kvmem's. Resumable; rebuilds the suite's report with the race in it."""
+    from kvmem.eval.race import race as run_race
+
+    path = run_race(bench, out, venv, _csv(models) if models else None, _csv(lengths, int) if lengths else None,
+                    samples, threads, check, _csv(presses) if presses else None, first)
+    console.print(f"wrote {path}")
 
 
 @app.command()

@@ -1,47 +1,56 @@
 """The long-context benchmark: every method x keep ratio on one prefill per sample.
 
-For each sample the context is prefilled once into a `KVCache` that records queries and accumulated
-attention; every (method, keep ratio) then works on a copy of that cache. Two settings, reported apart:
+Prompts go through the model's chat template (`kvmem.prompts`): the document is the compressible
+context, the question (with the end of the user turn, the generation prompt and an answer prefix) comes
+after it. For each sample the context is prefilled once into a `KVCache` that records queries and
+accumulated attention (H2O's; tracked attention is computed in the same pass, see `KVLayer.observe`);
+every (method, keep ratio) then works on a copy of that cache. Two settings, reported apart:
 
 * `agnostic`: the context is compressed before the question is seen (what a stored, reusable cache
-  can do); the question and answer prefix are then fed on top of the compressed cache.
+  can do); the question is then fed on top of the compressed cache.
 * `aware`: the question (all but its last token) is read first, the context part is compressed with
   the question's queries observed and the question's tokens kept, then the last token is fed.
 
-Either way every generated token is computed from the compressed cache. Perplexity tasks (`ppl-*`)
-compress the context and measure the mean NLL of a continuation (agnostic only).
+Either way every generated token is computed from the compressed cache. All compressed copies of one
+sample and setting are answered together in one batched forward (`kvmem.generate.answer_batch`): on a
+CPU decoding is bound by reading the weights, so this is several times cheaper than one by one.
+Perplexity tasks (`ppl-*`) compress the context and measure the mean NLL of a continuation (agnostic).
 
-Per-sample records are appended to `records.jsonl` as they finish, so an interrupted run resumes
-where it stopped; `results.json` (one row per model x length x task x setting x method x ratio) and
-the report are rebuilt from all records at the end.
+Tasks are screened: a task whose full-cache score is below `SCREEN_STOP` after `SCREEN_SAMPLES` samples
+is stopped there, and a task below `FULL_CACHE_MIN` over all its samples is flagged in the report.
+Per-sample records are appended to `records.jsonl` as each sample finishes, so an interrupted run
+resumes where it stopped; `results.json` and the report are rebuilt from all records at the end.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from kvmem import __version__
 from kvmem.compress import METHODS, compress, get_method
 from kvmem.errors import KVMemError
+from kvmem.eval.report import write_report
 from kvmem.eval.tasks import TASKS, make_samples, perplexity_text, score
-from kvmem.generate import decode, feed, nll
+from kvmem.generate import answer_batch, feed, nll
 from kvmem.models import LoadedModel, load_model
 from kvmem.cache import KVCache
+from kvmem.prompts import Prompt, build_prompt
 
 PPL_TASKS = ("ppl-recall", "ppl-next")
 ALL_TASKS = tuple(TASKS) + PPL_TASKS
 DEFAULT_RATIOS = (1.0, 0.5, 0.25, 0.1)
 PPL_CONTINUATION = 128
 SETTINGS = ("agnostic", "aware")
-FULL_CACHE_MIN = 0.5  # tasks the full cache scores below this are screened out (they measure nothing)
+SCREEN_SAMPLES, SCREEN_STOP = 8, 0.7  # skip a task's sweep when the full cache fails its first samples
 
 
 @dataclass
@@ -54,6 +63,7 @@ class EvalConfig:
     samples: int = 3
     seed: int = 0
     out: Path = Path("results/longctx")
+    raw_prompt: bool = False  # no chat template (base models)
 
     def validate(self) -> None:
         for t in self.tasks:
@@ -88,51 +98,59 @@ def _configs(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]
 class Prefilled:
     """One sample's context read once: the caches every configuration copies."""
 
-    ctx: list[int]
-    question: list[int]
+    prompt: Prompt
     sources: dict[str, tuple[KVCache, int]]  # setting -> (cache, its KV bytes)
     prefill_s: float
 
 
-def prefill_sample(lm: LoadedModel, sample, settings: tuple[str, ...] = SETTINGS) -> Prefilled:
-    tok = lm.tokenizer
-    ctx = tok(sample.context).input_ids
-    q = tok(sample.question + sample.answer_prefix, add_special_tokens=False).input_ids
+def prefill_sample(lm: LoadedModel, sample, settings: tuple[str, ...] = SETTINGS, raw_prompt: bool = False) -> Prefilled:
+    prompt = build_prompt(lm.tokenizer, sample.context, sample.question, sample.answer_prefix, raw=raw_prompt)
     base = KVCache(lm.model.config, observe_window=64, track_attention=True)
     t0 = time.perf_counter()
-    feed(lm, base, ctx)
+    feed(lm, base, prompt.context)
     prefill_s = time.perf_counter() - t0
     sources = {"agnostic": (base, base.kv_bytes())}
     if "aware" in settings:
         aware = base.clone()
-        feed(lm, aware, q[:-1])  # the question's queries are observed; its last token is fed after compression
+        feed(lm, aware, prompt.question[:-1])  # the question's queries are observed; its last token comes after compression
         sources["aware"] = (aware, aware.kv_bytes())
-    return Prefilled(ctx, q, sources, prefill_s)
+    return Prefilled(prompt, sources, prefill_s)
 
 
 def answer_configs(lm: LoadedModel, sample, pre: Prefilled, configs: list[tuple[str, float]]) -> list[dict]:
-    """Answer `sample` once per (setting, method, ratio), each on a fresh copy of the prefilled cache."""
+    """Answer `sample` once per (setting, method, ratio), each from its own compressed copy of the prefilled
+    cache. The copies of one setting are answered in one batch (the full cache, being the longest, alone)."""
     records = []
     for setting, (src, full) in pre.sources.items():
+        rows = []
         for method, ratio in configs:
-            t0 = time.perf_counter()
             cache = src.clone()
-            compress(cache, get_method(method), ratio, protect_from=len(pre.ctx) if setting == "aware" else None)
-            kv = cache.kv_bytes()
+            t0 = time.perf_counter()
+            compress(cache, get_method(method), ratio, protect_from=len(pre.prompt.context) if setting == "aware" else None)
+            compress_s = time.perf_counter() - t0
             cache.drop_observations()
-            logits = feed(lm, cache, pre.question if setting == "agnostic" else pre.question[-1:])
-            out = lm.tokenizer.decode(decode(lm, cache, logits, sample.max_new_tokens))
-            records.append(dict(setting=setting, method=method, keep_ratio=ratio, score=score(sample, out),
-                                output=out, kv_bytes=kv, kv_bytes_full=full, wall_s=time.perf_counter() - t0,
-                                prefill_s=pre.prefill_s, context_tokens=len(pre.ctx) + len(pre.question)))
-            del cache
+            rows.append((method, ratio, cache, cache.kv_bytes(), compress_s))
+        question = pre.prompt.question if setting == "agnostic" else pre.prompt.question[-1:]
+        for group in ([r for r in rows if r[1] >= 1.0], [r for r in rows if r[1] < 1.0]):
+            if not group:
+                continue
+            t0 = time.perf_counter()
+            outs = answer_batch(lm, [r[2] for r in group], question, sample.max_new_tokens, answers=sample.answers)
+            answer_s = time.perf_counter() - t0
+            for (method, ratio, _, kv, compress_s), tokens in zip(group, outs):
+                out = lm.tokenizer.decode(tokens)
+                records.append(dict(setting=setting, method=method, keep_ratio=ratio, score=score(sample, out),
+                                    output=out, kv_bytes=kv, kv_bytes_full=full, compress_s=compress_s,
+                                    answer_s=answer_s, batch=len(group), prefill_s=pre.prefill_s,
+                                    context_tokens=len(pre.prompt.context), prompt_tokens=len(pre.prompt.ids)))
+        del rows
     return records
 
 
 def run_sample(lm: LoadedModel, sample, methods: list[str], ratios: list[float],
-               settings: tuple[str, ...] = SETTINGS) -> list[dict]:
+               settings: tuple[str, ...] = SETTINGS, raw_prompt: bool = False) -> list[dict]:
     """Prefill one sample's context once, then answer with every (setting, method, ratio) on copies."""
-    return answer_configs(lm, sample, prefill_sample(lm, sample, settings), _configs(methods, ratios))
+    return answer_configs(lm, sample, prefill_sample(lm, sample, settings, raw_prompt), _configs(methods, ratios))
 
 
 def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) -> list[dict]:
@@ -150,31 +168,58 @@ def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) 
         cache.drop_observations()
         loss = nll(lm, cache, ctx[-1:] + cont)
         records.append(dict(setting="agnostic", method=method, keep_ratio=ratio, score=math.exp(loss), output="",
-                            kv_bytes=kv, kv_bytes_full=full, wall_s=time.perf_counter() - t0, prefill_s=prefill_s,
+                            kv_bytes=kv, kv_bytes_full=full, answer_s=time.perf_counter() - t0, prefill_s=prefill_s,
                             context_tokens=len(ctx)))
         del cache
     return records
 
 
 def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: list[int], cfg: EvalConfig,
-              records_path: Path) -> dict[int, list[dict]]:
-    """Run the pending samples of one task. QA tasks are screened: all samples are prefilled and answered
-    with the full cache first; only if the full cache scores >= FULL_CACHE_MIN does the sweep run."""
+              records_path: Path) -> None:
+    """Run the pending samples of one task, appending each sample's records as it finishes.
+
+    Screening: the first SCREEN_SAMPLES samples are answered with the full cache first, their prefilled
+    caches held. If the full cache averages below SCREEN_STOP on them, the model cannot do this task:
+    only those full-cache answers are written (the report flags the task) and the sweep is skipped."""
+    stamp = dict(kvmem=__version__, commit=git_commit(), threads=torch.get_num_threads())
+
+    def write(i: int, recs: list[dict]) -> None:
+        lines = "".join(json.dumps(dict(model=model_name, length=L, task=task, sample=i, **r, **stamp)) + "\n" for r in recs)
+        fd = os.open(records_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:  # one write of the whole sample: processes running side by side never interleave their lines
+            os.write(fd, lines.encode())
+        finally:
+            os.close(fd)
+
     if task in PPL_TASKS:
         pairs = perplexity_text(lm.tokenizer, L - PPL_CONTINUATION - 1, PPL_CONTINUATION, cfg.samples, cfg.seed,
                                 kind=task.split("-", 1)[1])
-        return {i: _run_ppl(lm, *pairs[i], cfg.methods, cfg.ratios) for i in pending}
-    samples = make_samples(task, lm.tokenizer, L, cfg.samples, cfg.seed)
-    prefilled = {i: prefill_sample(lm, samples[i]) for i in pending}
-    recs = {i: answer_configs(lm, samples[i], prefilled[i], [("full", 1.0)]) for i in pending}
-    earlier = [r["score"] for r in _records(records_path) if (r["model"], r["length"], r["task"], r["method"],
-               r["setting"]) == (model_name, L, task, "full", "agnostic")]
-    full_scores = earlier + [r["score"] for rs in recs.values() for r in rs if r["setting"] == "agnostic"]
-    if sum(full_scores) / len(full_scores) >= FULL_CACHE_MIN:
-        sweep = _configs(cfg.methods, cfg.ratios)[1:]
         for i in pending:
-            recs[i] += answer_configs(lm, samples[i], prefilled[i], sweep)
-    return recs
+            write(i, _run_ppl(lm, *pairs[i], cfg.methods, cfg.ratios))
+        return
+    samples = make_samples(task, lm.tokenizer, L, cfg.samples, cfg.seed)
+    sweep = _configs(cfg.methods, cfg.ratios)[1:]
+    full = [r["score"] for r in _records(records_path) if (r["model"], r["length"], r["task"], r["method"],
+            r["setting"]) == (model_name, L, task, "full", "agnostic")]
+    if len(full) >= SCREEN_SAMPLES and sum(full[:SCREEN_SAMPLES]) / SCREEN_SAMPLES < SCREEN_STOP:
+        return  # screened out in an earlier run
+    held: list[tuple[int, Prefilled, list[dict]]] = []  # screening samples, waiting for the decision
+    for n, i in enumerate(pending):
+        pre = prefill_sample(lm, samples[i], raw_prompt=cfg.raw_prompt)
+        first = answer_configs(lm, samples[i], pre, [("full", 1.0)])
+        if len(full) >= SCREEN_SAMPLES:
+            write(i, first + answer_configs(lm, samples[i], pre, sweep))
+            continue
+        held.append((i, pre, first))
+        full.append(next(r["score"] for r in first if r["setting"] == "agnostic"))
+        if len(full) == SCREEN_SAMPLES or n == len(pending) - 1:
+            if len(full) == SCREEN_SAMPLES and sum(full) / len(full) < SCREEN_STOP:
+                for j, _, recs in held:
+                    write(j, recs)
+                return
+            for j, held_pre, recs in held:
+                write(j, recs + answer_configs(lm, samples[j], held_pre, sweep))
+            held = []
 
 
 def _records(path: Path) -> list[dict]:
@@ -187,12 +232,11 @@ def _done_keys(path: Path) -> set[tuple]:
 
 def run(cfg: EvalConfig, progress: bool = True) -> Path:
     """Run what is missing from `cfg.out/records.jsonl`, then rebuild results.json and the report."""
-    from kvmem.eval.report import write_report
-
     cfg.validate()
     cfg.out.mkdir(parents=True, exist_ok=True)
     records_path = cfg.out / "records.jsonl"
     done = _done_keys(records_path)
+    started = time.time()
     for model_name in cfg.models:
         todo = [(L, t, i) for L in cfg.lengths for t in cfg.tasks for i in range(cfg.samples)
                 if (model_name, L, t, i) not in done]
@@ -209,40 +253,11 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
                 if not pending:
                     continue
                 bar.set_postfix_str(f"{task} @ {L}")
-                recs = _run_task(lm, model_name, task, L, pending, cfg, records_path)
-                with records_path.open("a") as f:
-                    for i, rs in recs.items():
-                        for r in rs:
-                            f.write(json.dumps(dict(model=model_name, length=L, task=task, sample=i, **r)) + "\n")
+                _run_task(lm, model_name, task, L, pending, cfg, records_path)
                 bar.update(len(pending))
         bar.close()
-    rows = aggregate(records_path, cfg)
-    (cfg.out / "results.json").write_text(json.dumps(rows, indent=1))
-    write_report(rows, cfg)
+    with (cfg.out / "runs.jsonl").open("a") as f:  # the report's wall clock: when this process ran
+        f.write(json.dumps(dict(start=started, end=time.time(), models=cfg.models, lengths=cfg.lengths,
+                                threads=torch.get_num_threads(), commit=git_commit())) + "\n")
+    write_report(cfg.out)
     return cfg.out
-
-
-def aggregate(records_path: Path, cfg: EvalConfig) -> list[dict]:
-    """One row per model x length x task x setting x method x keep ratio (means over samples), from every
-    record in the folder, so runs of different models and lengths into one folder make one report."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    records = _records(records_path)
-    methods = list(dict.fromkeys(r["method"] for r in records))
-    for r in records:
-        groups[(r["model"], r["length"], r["task"], r["setting"], r["method"], r["keep_ratio"])].append(r)
-    rows = []
-    commit = git_commit()
-    for (model, length, task, setting, method, ratio), rs in sorted(groups.items()):
-        for m in ([method] if method != "full" else methods):  # keep ratio 1.0 is the full cache for all
-            rows.append(dict(
-                model=model, length=length, task=task, setting=setting, method=m, keep_ratio=ratio,
-                score=sum(r["score"] for r in rs) / len(rs), n=len(rs),
-                kv_bytes=round(sum(r["kv_bytes"] for r in rs) / len(rs)),
-                kv_bytes_full=round(sum(r["kv_bytes_full"] for r in rs) / len(rs)),
-                fraction_kept=sum(r["kv_bytes"] / r["kv_bytes_full"] for r in rs) / len(rs),
-                wall_s=sum(r["wall_s"] for r in rs) / len(rs),
-                prefill_s=sum(r["prefill_s"] for r in rs) / len(rs),
-                context_tokens=round(sum(r["context_tokens"] for r in rs) / len(rs)),
-                kvmem=__version__, commit=commit,
-            ))
-    return rows

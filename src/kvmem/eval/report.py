@@ -1,7 +1,26 @@
-"""Markdown report and plots for the long-context benchmark (reads the rows of results.json)."""
+"""Report of the long-context benchmark: scores with bootstrap CIs, paired comparisons, the race against
+kvpress, speed and memory.
+
+Everything is computed from per-sample records (`records.jsonl`: one line per model x length x task x
+sample x setting x method x keep ratio), so every number carries its sample count and 95% interval:
+
+* A task counts for a model and length when its full-cache score is >= FULL_CACHE_MIN; the rest are
+  flagged and left out of every average.
+* A headline cell is the mean over the usable tasks (each task weighs the same) with a stratified
+  bootstrap CI (`kvmem.eval.stats`).
+* "A beats B" is only said from a paired comparison on the same samples whose interval excludes 0. In
+  each column the best method is bold; a cell marked ▼ is significantly below it; unmarked cells are
+  not distinguishable from the best at this sample size.
+
+`results.json` holds the summary rows (one per model x length x task-or-mean x setting x library x
+method x keep ratio). The race (`results/race/records.jsonl`, kvpress's presses on the same prompts)
+and the speed benchmark (`results/speed/results.json`) are included when present.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -10,75 +29,394 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvmem.eval.longctx import FULL_CACHE_MIN  # noqa: E402
+from kvmem.eval.stats import Interval, bootstrap_mean, paired_difference  # noqa: E402
 
-PPL_PREFIX = "ppl-"
-BENCH_COMMANDS = (  # keep in sync with the Makefile's bench target
-    "kvmem eval --models smollm2-135m --lengths 4096 --samples 3 --threads 1 --out results/longctx",
-    "kvmem eval --models gemma3-270m --lengths 4096 --samples 3 --threads 1 --out results/longctx",
-    "kvmem eval --models smollm2-135m --lengths 8192 --samples 2 --threads 1 --out results/longctx",
-)
-
-
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
+FULL_CACHE_MIN = 0.8  # a task whose full-cache score is below this measures nothing about compression
+MEAN = "mean"  # the task name of rows averaged over the usable tasks
+SETTINGS = ("agnostic", "aware")
+SHARED = {"random": "random", "streaming-llm": "streaming-llm", "snapkv": "snapkv", "tova": "tova",
+          "knorm": "knorm", "h2o": "observed-attention"}  # kvmem method -> the kvpress press that does the same
+BENCH_COMMANDS_NOTE = "See the Makefile's `bench` and `race` targets for the exact commands."
 
 
-def usable_tasks(rows: list[dict]) -> dict[tuple, dict[str, float]]:
-    """Full-cache score per (model, length) and task (agnostic setting)."""
-    full: dict[tuple, dict[str, float]] = defaultdict(dict)
-    for r in rows:
-        if r["method"] == "full" and r["setting"] == "agnostic" and not r["task"].startswith(PPL_PREFIX):
-            full[(r["model"], r["length"])][r["task"]] = r["score"]
-    return full
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def headline(rows: list[dict]) -> list[str]:
-    """Per model and length, one row per method: mean score on the usable tasks in both settings and
-    the ppl-recall perplexity, at each keep ratio below 1 (the full cache is the first row)."""
-    full = usable_tasks(rows)
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _fmt(iv: Interval, digits: int = 2) -> str:
+    return f"{iv.estimate:.{digits}f} [{iv.lo:.{digits}f}, {iv.hi:.{digits}f}]"
+
+
+class Scores:
+    """Per-sample scores of one library's records, indexed for the cells of a report."""
+
+    def __init__(self, records: list[dict]):
+        self.by_cell: dict[tuple, dict[tuple, dict]] = defaultdict(dict)  # (model, L, setting, method, ratio) -> (task, sample) -> record
+        for r in records:
+            if r["task"].startswith("ppl-"):
+                continue
+            self.by_cell[(r["model"], r["length"], r["setting"], r["method"], r["keep_ratio"])][(r["task"], r["sample"])] = r
+
+    def keys(self) -> set[tuple]:
+        return set(self.by_cell)
+
+    def samples(self, model, length, setting, method, ratio, tasks) -> dict[tuple, dict]:
+        if ratio >= 1.0:
+            method = "full"  # keep ratio 1.0 is the full cache, whatever the method
+        cell = self.by_cell.get((model, length, setting, method, ratio), {})
+        return {k: r for k, r in cell.items() if k[0] in tasks}
+
+    def interval(self, model, length, setting, method, ratio, tasks) -> tuple[Interval, int] | None:
+        cell = self.samples(model, length, setting, method, ratio, tasks)
+        if not cell:
+            return None
+        keys = sorted(cell)
+        return bootstrap_mean([cell[k]["score"] for k in keys], strata=[k[0] for k in keys]), len(keys)
+
+    def methods(self, model, length) -> list[str]:
+        return list(dict.fromkeys(k[3] for k in self.by_cell if k[:2] == (model, length) and k[3] != "full"))
+
+    def ratios(self, model, length) -> list[float]:
+        return sorted({k[4] for k in self.by_cell if k[:2] == (model, length) and k[4] < 1.0}, reverse=True)
+
+
+def paired(a: dict[tuple, dict], b: dict[tuple, dict]) -> Interval | None:
+    """Paired difference mean(a - b) on the samples both have, stratified by task."""
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        return None
+    return paired_difference([a[k]["score"] for k in keys], [b[k]["score"] for k in keys], strata=[k[0] for k in keys])
+
+
+def full_cache(scores: Scores) -> dict[tuple, dict[str, tuple[Interval, int]]]:
+    """Full-cache score (agnostic prompt) per (model, length) and task."""
+    out: dict[tuple, dict] = defaultdict(dict)
+    for (model, length, setting, method, ratio), cell in scores.by_cell.items():
+        if method == "full" and setting == "agnostic":
+            for task in sorted({k[0] for k in cell}):
+                out[(model, length)][task] = scores.interval(model, length, setting, method, ratio, {task})
+    return out
+
+
+def usable_tasks(full: dict) -> dict[tuple, list[str]]:
+    return {key: sorted(t for t, (iv, _) in tasks.items() if iv.estimate >= FULL_CACHE_MIN) for key, tasks in full.items()}
+
+
+def summary_rows(scores: Scores, usable: dict[tuple, list[str]], library: str = "kvmem") -> list[dict]:
+    """results.json rows: per model x length x (each task, and the mean over usable tasks) x setting x
+    method x ratio: score with CI, n, measured KV bytes, and whether it is significantly below the
+    column's best (paired, same samples)."""
+    rows = []
+    for (model, length), tasks in sorted(usable.items()):
+        ratios = [1.0] + scores.ratios(model, length)
+        for setting in SETTINGS:
+            for ratio in ratios:
+                methods = ["full"] if ratio >= 1.0 else scores.methods(model, length)
+                for group in [MEAN] + tasks:
+                    chosen = set(tasks) if group == MEAN else {group}
+                    if not chosen:
+                        continue
+                    cells = {m: scores.samples(model, length, setting, m, ratio, chosen) for m in methods}
+                    cells = {m: c for m, c in cells.items() if c}
+                    if not cells:
+                        continue
+                    ivs = {m: scores.interval(model, length, setting, m, ratio, chosen) for m in cells}
+                    best = max(cells, key=lambda m: ivs[m][0].estimate)
+                    for m, cell in cells.items():
+                        iv, n = ivs[m]
+                        below = paired(cells[best], cell) if m != best else None
+                        recs = list(cell.values())
+                        rows.append(dict(
+                            library=library, model=model, length=length, task=group, setting=setting, method=m,
+                            keep_ratio=ratio, score=iv.estimate, lo=iv.lo, hi=iv.hi, n=n,
+                            below_best=bool(below and below.significant), best=m == best,
+                            kv_bytes=round(sum(r["kv_bytes"] for r in recs) / len(recs)),
+                            kv_bytes_full=round(sum(r["kv_bytes_full"] for r in recs) / len(recs)),
+                            fraction_kept=sum(r["kv_bytes"] / r["kv_bytes_full"] for r in recs) / len(recs),
+                        ))
+    return rows
+
+
+def _cell_text(row: dict | None, digits: int = 2) -> str:
+    if row is None:
+        return "–"
+    text = f"{row['score']:.{digits}f} [{row['lo']:.{digits}f}, {row['hi']:.{digits}f}]"
+    if row["best"]:
+        return f"**{text}**"
+    return text + (" ▼" if row["below_best"] else "")
+
+
+def headline(rows: list[dict], usable: dict[tuple, list[str]], full: dict) -> list[str]:
+    """One table per model and length: methods x (setting, keep ratio), mean over the usable tasks."""
     lines = []
-    for (model, length) in sorted({(r["model"], r["length"]) for r in rows}):
-        rs = [r for r in rows if (r["model"], r["length"]) == (model, length)]
-        ok = {t for t, sc in full.get((model, length), {}).items() if sc >= FULL_CACHE_MIN}
-        ratios = sorted({r["keep_ratio"] for r in rs if r["keep_ratio"] < 1.0}, reverse=True)
-        methods = [m for m in dict.fromkeys(r["method"] for r in rs) if m != "full"]
-
-        def mean(method, ratio, pick) -> str:
-            v = [r["score"] for r in rs if r["method"] == method and r["keep_ratio"] == ratio and pick(r)]
-            return f"{sum(v) / len(v):.2f}" if v else "–"
-
-        cols = [("agnostic", lambda r: r["setting"] == "agnostic" and r["task"] in ok),
-                ("aware", lambda r: r["setting"] == "aware" and r["task"] in ok),
-                ("ppl-recall", lambda r: r["task"] == "ppl-recall")]
-        lines += [f"**{model} @ {length} tokens** — usable tasks: {', '.join(sorted(ok)) or 'none'}", "",
-                  "| method | " + " | ".join(f"{c} {k:g}" for c, _ in cols for k in ratios) + " |",
-                  "|---|" + "---|" * (len(cols) * len(ratios))]
-        lines.append("| full (1.0) | " + " | ".join(mean("full", 1.0, pick) for _, pick in cols for _ in ratios) + " |")
+    index = {(r["model"], r["length"], r["setting"], r["method"], r["keep_ratio"]): r
+             for r in rows if r["task"] == MEAN and r["library"] == "kvmem"}
+    for (model, length), tasks in sorted(usable.items()):
+        ratios = sorted({k[4] for k in index if k[:2] == (model, length) and k[4] < 1.0}, reverse=True)
+        methods = list(dict.fromkeys(k[3] for k in index if k[:2] == (model, length) and k[3] != "full"))
+        flagged = [f"{t} ({iv.estimate:.2f})" for t, (iv, _) in sorted(full[(model, length)].items()) if t not in tasks]
+        n = index.get((model, length, "agnostic", "full", 1.0), {}).get("n", 0)
+        lines += [f"**{model} @ {length} tokens** — {len(tasks)} usable tasks ({', '.join(tasks) or 'none'}), "
+                  f"{n} samples per cell" + (f"; flagged (full cache < {FULL_CACHE_MIN}): {', '.join(flagged)}" if flagged else ""), ""]
+        if not tasks or not ratios:
+            lines += ["No usable task here: nothing to compare.", ""]
+            continue
+        cols = [(s, k) for s in SETTINGS for k in ratios]
+        lines += ["| method | " + " | ".join(f"{s} {k:g}" for s, k in cols) + " |", "|---|" + "---|" * len(cols)]
+        full_row = index.get((model, length, "agnostic", "full", 1.0))
+        lines.append("| full cache (1.0) | " + " | ".join(_cell_text(full_row).strip("*") for _ in cols) + " |")
         for m in methods:
-            lines.append(f"| {m} | " + " | ".join(mean(m, k, pick) for _, pick in cols for k in ratios) + " |")
+            lines.append(f"| {m} | " + " | ".join(_cell_text(index.get((model, length, s, m, k))) for s, k in cols) + " |")
         lines.append("")
     return lines
 
 
-def update_readme(results: Path = Path("results/longctx/results.json"), readme: Path = Path("README.md"),
+# --- the race against kvpress -------------------------------------------------------------------
+
+
+def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, press: Scores,
+                usable: dict[tuple, list[str]]) -> list[str]:
+    """Per model x length x keep ratio (agnostic): kvmem's best against kvpress's best, the paired
+    difference, and bytes held; then the fidelity check of the methods both libraries have."""
+    lines = []
+    k_index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in kvmem_rows
+               if r["task"] == MEAN and r["setting"] == "agnostic"}
+    p_index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in press_rows
+               if r["task"] == MEAN and r["setting"] == "agnostic"}
+    keys = sorted({k[:2] for k in p_index})
+    if not keys:
+        return ["No kvpress records yet: run `make race`.", ""]
+    lines += ["| model @ length | keep | kvmem best | KV MiB held | kvpress best | KV MiB held | kvmem − kvpress (paired) |",
+              "|---|---|---|---|---|---|---|"]
+    for model, length in keys:
+        tasks = set(usable.get((model, length), []))
+        for ratio in sorted({k[3] for k in p_index if k[:2] == (model, length) and k[3] < 1.0}, reverse=True):
+            kb = [r for k, r in k_index.items() if k[:2] == (model, length) and k[3] == ratio]
+            pb = [r for k, r in p_index.items() if k[:2] == (model, length) and k[3] == ratio]
+            if not kb or not pb:
+                continue
+            kbest, pbest = max(kb, key=lambda r: r["score"]), max(pb, key=lambda r: r["score"])
+            diff = paired(kvmem.samples(model, length, "agnostic", kbest["method"], ratio, tasks),
+                          press.samples(model, length, "agnostic", pbest["method"], ratio, tasks))
+            verdict = "–" if diff is None else _fmt(diff) + (" (significant)" if diff.significant else " (not significant)")
+            lines.append(f"| {model} @ {length} | {ratio:g} | {kbest['method']}: {_fmt(_iv(kbest))} n={kbest['n']} | "
+                         f"{_mib(kbest['kv_bytes'])} | {pbest['method']}: {_fmt(_iv(pbest))} n={pbest['n']} | "
+                         f"{_mib(pbest['kv_bytes'])} | {verdict} |")
+    lines += ["", "### Fidelity: the methods both libraries have (agnostic; paired difference kvmem − kvpress)", "",
+              "| model @ length | kvmem method | kvpress press | keep | kvmem | kvpress | difference | agree |",
+              "|---|---|---|---|---|---|---|---|"]
+    for model, length in keys:
+        tasks = set(usable.get((model, length), []))
+        for ratio in [1.0] + sorted({k[3] for k in p_index if k[:2] == (model, length) and k[3] < 1.0}, reverse=True):
+            pairs = [("full", "full")] if ratio >= 1.0 else SHARED.items()
+            for ours, theirs in pairs:
+                a = kvmem.samples(model, length, "agnostic", ours, ratio, tasks)
+                b = press.samples(model, length, "agnostic", theirs, ratio, tasks)
+                diff = paired(a, b)
+                if diff is None:
+                    continue
+                ka, kb_ = kvmem.interval(model, length, "agnostic", ours, ratio, tasks)[0], press.interval(
+                    model, length, "agnostic", theirs, ratio, tasks)[0]
+                lines.append(f"| {model} @ {length} | {ours} | {theirs} | {ratio:g} | {_fmt(ka)} | {_fmt(kb_)} | "
+                             f"{_fmt(diff)} | {'no' if diff.significant else 'yes'} |")
+    lines.append("")
+    return lines
+
+
+def _iv(row: dict) -> Interval:
+    return Interval(row["score"], row["lo"], row["hi"])
+
+
+def _pareto_plot(kvmem_rows: list[dict], press_rows: list[dict], out: Path) -> Path | None:
+    """Score against KV bytes held (agnostic, mean over usable tasks), one panel per model x length."""
+    keys = sorted({(r["model"], r["length"]) for r in press_rows})
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
+    for ax, (model, length) in zip(axes[0], keys):
+        for rows, marker, prefix in ((kvmem_rows, "o", "kvmem "), (press_rows, "x", "kvpress ")):
+            series = defaultdict(list)
+            for r in rows:
+                if (r["model"], r["length"], r["task"], r["setting"]) == (model, length, MEAN, "agnostic"):
+                    series[r["method"]].append(r)
+            for method, rs in sorted(series.items()):
+                rs.sort(key=lambda r: r["kv_bytes"])
+                ax.plot([r["kv_bytes"] / 2**20 for r in rs], [r["score"] for r in rs], marker=marker,
+                        linestyle="-" if marker == "o" else ":", label=prefix + method)
+        ax.set_title(f"{model} @ {length}: agnostic")
+        ax.set_xlabel("KV MiB held (measured)")
+        ax.set_ylabel("mean score, usable tasks")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6, ncol=2)
+    path = out / "race_pareto.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# --- plots and the report ------------------------------------------------------------------------
+
+
+def _plot(rows: list[dict], model: str, length: int, out: Path) -> Path | None:
+    """Score (95% CI bars) vs measured fraction of KV bytes kept, per method: agnostic and aware."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    drawn = False
+    for ax, setting in zip(axes, SETTINGS):
+        series = defaultdict(list)
+        for r in rows:
+            if (r["library"], r["model"], r["length"], r["task"], r["setting"]) == ("kvmem", model, length, MEAN, setting) \
+                    and r["method"] != "full":
+                series[r["method"]].append(r)
+        for method, rs in series.items():
+            rs.sort(key=lambda r: r["fraction_kept"])
+            ax.errorbar([r["fraction_kept"] for r in rs], [r["score"] for r in rs],
+                        yerr=[[r["score"] - r["lo"] for r in rs], [r["hi"] - r["score"] for r in rs]],
+                        marker="o", capsize=3, label=method)
+            drawn = True
+        ax.set_title(f"{model} @ {length}: {setting}")
+        ax.set_xlabel("fraction of KV bytes kept (measured)")
+        ax.set_ylabel("mean score over usable tasks (95% CI)")
+        ax.set_xscale("log")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if not drawn:
+        plt.close(fig)
+        return None
+    path = out / f"score_vs_kept_{model}_{length}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h"
+
+
+def cost_lines(records: list[dict], runs: list[dict], label: str) -> list[str]:
+    """Compute spent: process time summed over samples, and elapsed wall clock of the runs (union of their
+    intervals, so two processes running side by side count once)."""
+    per_sample: dict[tuple, float] = {}
+    for r in records:
+        key = (r["model"], r["length"], r["task"], r["sample"])
+        per_sample.setdefault(key, r.get("prefill_s", 0.0) + r.get("press_s", 0.0))
+        per_sample[key] += r.get("compress_s", 0.0) + (r.get("answer_s", 0.0) / max(r.get("batch", 1), 1))
+    spans = sorted((run["start"], run["end"]) for run in runs if run.get("end"))
+    elapsed, cur = 0.0, None
+    for s, e in spans:
+        if cur is None or s > cur[1]:
+            elapsed += (cur[1] - cur[0]) if cur else 0.0
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    elapsed += (cur[1] - cur[0]) if cur else 0.0
+    return [f"- {label}: {len(per_sample)} samples, {_hours(sum(per_sample.values()))} of process time (prefill, "
+            f"compression and answers summed over samples); elapsed wall clock of the runs: {_hours(elapsed)} "
+            f"({len(spans)} runs, processes side by side counted once)."]
+
+
+def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None = None) -> list[dict]:
+    """Rebuild results.json, report.md and the plots in `out` from its records (and the race and speed
+    results beside it, when present). Returns the summary rows."""
+    out = Path(out)
+    race_dir = Path(race_dir) if race_dir else out.parent / "race"
+    speed_dir = Path(speed_dir) if speed_dir else out.parent / "speed"
+    records = read_records(out / "records.jsonl")
+    kvmem = Scores(records)
+    full = full_cache(kvmem)
+    usable = usable_tasks(full)
+    rows = summary_rows(kvmem, usable)
+    press_records = read_records(race_dir / "records.jsonl")
+    press = Scores(press_records)
+    press_rows = summary_rows(press, {k: v for k, v in usable.items() if any(p[:2] == k for p in press.keys())}, "kvpress")
+    (out / "results.json").write_text(json.dumps(rows + press_rows, indent=1))
+
+    lines = ["# kvmem long-context benchmark", "", __doc__.split("\n\n", 1)[1].split("`results.json`")[0].strip(), "",
+             BENCH_COMMANDS_NOTE, "", "## Cost", ""]
+    lines += cost_lines(records, read_records(out / "runs.jsonl"), "kvmem suite")
+    if press_records:
+        lines += cost_lines(press_records, read_records(race_dir / "runs.jsonl"), "kvpress race")
+    lines += ["", "## Which tasks count", "",
+              f"Full-cache score per task (agnostic prompt, 95% CI, n samples); ⚠ = below {FULL_CACHE_MIN}, left out "
+              "of every average. A task stopped after its first samples showed the model cannot do it has fewer samples.", ""]
+    keys = sorted(full)
+    tasks = sorted({t for d in full.values() for t in d})
+    lines += ["| task | " + " | ".join(f"{m} @ {L}" for m, L in keys) + " |", "|---|" + "---|" * len(keys)]
+    for t in tasks:
+        cells = []
+        for k in keys:
+            got = full[k].get(t)
+            cells.append("–" if got is None else f"{_fmt(got[0])} n={got[1]}" + (" ⚠" if got[0].estimate < FULL_CACHE_MIN else ""))
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    lines += ["", "## Headline", "",
+              "Mean score over the usable tasks with its 95% bootstrap CI. **Bold**: the column's best; ▼: significantly "
+              "below the best (paired bootstrap on the same samples); no mark: not distinguishable from the best.", "",
+              *headline(rows, usable, full)]
+    for model, length in sorted(usable):
+        plot = _plot(rows, model, length, out)
+        if plot:
+            lines += [f"![score vs KV kept, {model} @ {length}]({plot.name})", ""]
+    lines += ["## The race against kvpress (agnostic setting)", "",
+              "The same prompts (token ids exported once) through kvpress's presses in its own virtualenv "
+              "(`make race`); outputs are scored by the same function. kvmem's best and kvpress's best per keep ratio, "
+              "with the bytes each actually holds after compression.", "",
+              *race_tables(rows, press_rows, kvmem, press, usable)]
+    if (race_dir / "errors.json").exists():
+        errors = json.loads((race_dir / "errors.json").read_text())
+        for model, presses in sorted(errors["not_runnable"].items()):
+            for name, error in sorted(presses.items()):
+                lines.append(f"- kvpress fails on {model} with `{name}`: {error.splitlines()[0][:160]}")
+        lines += [f"- Not run (they download weights or statistics from the hub): {', '.join(errors['skipped_downloads'])}.", ""]
+    pareto = _pareto_plot(rows, press_rows, out)
+    if pareto:
+        lines += [f"![score vs KV bytes held]({pareto.name})", ""]
+    if (speed_dir / "results.json").exists():
+        from kvmem.eval.speed import speed_section
+
+        lines += ["## Speed and memory", "", *speed_section(json.loads((speed_dir / "results.json").read_text())["rows"])]
+    lines += ["## Per-task scores (95% CI)", ""]
+    for (model, length), ts in sorted(usable.items()):
+        for setting in SETTINGS:
+            sel = [r for r in rows if (r["model"], r["length"], r["setting"]) == (model, length, setting) and r["task"] != MEAN]
+            if not sel:
+                continue
+            ratios = sorted({r["keep_ratio"] for r in sel}, reverse=True)
+            lines += [f"**{model} @ {length}, {setting}**", "", "| task | method | " + " | ".join(f"keep {k:g}" for k in ratios) + " |",
+                      "|---|---|" + "---|" * len(ratios)]
+            cell = {(r["task"], r["method"], r["keep_ratio"]): r for r in sel}
+            for t in ts:
+                for m in dict.fromkeys(r["method"] for r in sel if r["method"] != "full"):
+                    lines.append(f"| {t} | {m} | " + " | ".join(
+                        _cell_text(cell.get((t, "full" if k >= 1.0 else m, k))).strip("*") for k in ratios) + " |")
+            lines.append("")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("README.md"),
                   retrieval: Path = Path("results/retrieval/results.json")) -> None:
     """Rewrite the README's results blocks (between its `<!-- results` and `<!-- retrieval` markers) from
-    the two benchmarks' results.json."""
-    import json
-    import re
-
-    rows = json.loads(results.read_text())
+    the long-context records (the report's headline) and the retrieval results.json."""
+    results = Path(results)
+    kvmem = Scores(read_records(results / "records.jsonl"))
+    full = full_cache(kvmem)
+    usable = usable_tasks(full)
+    rows = summary_rows(kvmem, usable)
     block = "\n".join([
-        "<!-- results: regenerated from results/longctx/results.json (the Headline of results/longctx/report.md) -->",
-        "Regenerate with `make bench` (hours on 2 CPU cores; it resumes from `results/longctx/records.jsonl`).",
-        "Mean score over the tasks the model can do with its full cache (RULER string match, higher is better)",
-        "and perplexity of a repeated passage after compressing the context (`ppl-recall`, lower is better),",
-        "at keep ratios 0.5 / 0.25 / 0.1; keep ratio 1.0 is the full-cache row. Few samples (3 per task at",
-        "4k, 2 at 8k) on 2-3 usable tasks: differences of one or two answers are noise. Full detail, per-task",
-        "scores, measured KV bytes and plots: [results/longctx/report.md](results/longctx/report.md).",
+        "<!-- results: regenerated from results/longctx/records.jsonl (the Headline of results/longctx/report.md) -->",
+        "Regenerate with `make bench` (it resumes from `results/longctx/records.jsonl`). Mean score over the tasks the",
+        f"model answers with its full cache (score >= {FULL_CACHE_MIN}; RULER string match), with 95% bootstrap CIs. **Bold**:",
+        "best in its column; ▼: significantly below it (paired bootstrap, same samples). The race against kvpress, speed",
+        "and memory, per-task scores and plots: [results/longctx/report.md](results/longctx/report.md).",
         "",
-        *headline(rows),
+        *headline(rows, usable, full),
         "<!-- /results -->",
     ])
     text = readme.read_text()
@@ -100,154 +438,3 @@ def update_readme(results: Path = Path("results/longctx/results.json"), readme: 
         ])
         new = re.sub(r"<!-- retrieval:.*?<!-- /retrieval -->", lambda m: block, new, flags=re.S)
     readme.write_text(new)
-
-
-def write_report(rows: list[dict], cfg) -> Path:
-    out = Path(cfg.out)
-    full = usable_tasks(rows)
-    lines = [
-        "# kvmem long-context benchmark",
-        "",
-        "Regenerate with `make bench`, which runs (each resumes from the records already in the folder):",
-        "",
-        "```",
-        *BENCH_COMMANDS,
-        "```",
-        "",
-        "Samples per task: see `n` in results.json. Keep ratio = fraction of context tokens kept per head; "
-        "`kept` below is the measured fraction of KV bytes held after compression. Keep ratio 1.0 is the full "
-        "cache for every method. Scores are the fraction of expected answer strings in the greedy output "
-        "(RULER string match); perplexity tasks report perplexity (lower is better).",
-        "",
-        "## Which tasks count",
-        "",
-        f"Tasks scoring below {FULL_CACHE_MIN} with the full cache are flagged and left out of the averages: "
-        "a task the model cannot do uncompressed measures nothing about compression.",
-        "",
-    ]
-    lines += ["## Headline", "",
-              "Mean score over usable tasks (higher is better) and ppl-recall perplexity (lower is better) "
-              "at each keep ratio; the full cache is the first row.", "", *headline(rows)]
-    lines += ["## Full-cache score per task (detail)", ""]
-    tasks = sorted({t for d in full.values() for t in d})
-    keys = sorted(full)
-    lines.append("| task | " + " | ".join(f"{m} @ {L}" for m, L in keys) + " |")
-    lines.append("|---|" + "---|" * len(keys))
-    for t in tasks:
-        cells = []
-        for k in keys:
-            s = full[k].get(t)
-            cells.append("–" if s is None else f"{s:.2f}" + (" ⚠" if s < FULL_CACHE_MIN else ""))
-        lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    lines.append("")
-
-    by_key: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_key[(r["model"], r["length"])].append(r)
-    for (model, length), rs in sorted(by_key.items()):
-        ok = {t for t, s in full.get((model, length), {}).items() if s >= FULL_CACHE_MIN}
-        lines += [f"## {model} @ {length} tokens", ""]
-        if not ok:
-            lines += ["No task reaches the full-cache threshold here; nothing to average.", ""]
-        ratios = sorted({r["keep_ratio"] for r in rs}, reverse=True)
-        methods = list(dict.fromkeys(r["method"] for r in rs))
-        for setting in ("agnostic", "aware"):
-            cell: dict[tuple, list[float]] = defaultdict(list)
-            kept: dict[tuple, list[float]] = defaultdict(list)
-            for r in rs:
-                if r["setting"] == setting and r["task"] in ok:
-                    cell[(r["method"], r["keep_ratio"])].append(r["score"])
-                    kept[(r["method"], r["keep_ratio"])].append(r["fraction_kept"])
-            if not cell:
-                continue
-            lines += [f"### {setting}: mean score over {len(ok)} usable tasks ({', '.join(sorted(ok))})", ""]
-            lines.append("| method | " + " | ".join(f"keep {k:g}" for k in ratios) + " |")
-            lines.append("|---|" + "---|" * len(ratios))
-            for m in methods:
-                vals = []
-                for k in ratios:
-                    v = cell.get((m, k))
-                    vals.append("–" if not v else f"{sum(v) / len(v):.3f} (kept {sum(kept[(m, k)]) / len(kept[(m, k)]):.2f})")
-                lines.append(f"| {m} | " + " | ".join(vals) + " |")
-            lines.append("")
-        ppl = [r for r in rs if r["task"].startswith(PPL_PREFIX)]
-        if ppl:
-            lines += ["### perplexity of a continuation after compressing the context (lower is better)", ""]
-            ptasks = sorted({r["task"] for r in ppl})
-            lines.append("| method | " + " | ".join(f"{t} keep {k:g}" for t in ptasks for k in ratios) + " |")
-            lines.append("|---|" + "---|" * (len(ptasks) * len(ratios)))
-            for m in methods:
-                vals = []
-                for t in ptasks:
-                    for k in ratios:
-                        v = [r["score"] for r in ppl if r["method"] == m and r["task"] == t and r["keep_ratio"] == k]
-                        vals.append(f"{v[0]:.2f}" if v else "–")
-                lines.append(f"| {m} | " + " | ".join(vals) + " |")
-            lines.append("")
-        kvrows = [r for r in rs if r["setting"] == "agnostic" and r["method"] == "snapkv"]
-        if kvrows:
-            lines += ["### KV bytes held (measured), agnostic setting", "", "| keep ratio | KV bytes | fraction of full |",
-                      "|---|---|---|"]
-            for k in ratios:
-                v = [r for r in kvrows if r["keep_ratio"] == k]
-                if v:
-                    lines.append(f"| {k:g} | {_fmt_bytes(sum(r['kv_bytes'] for r in v) / len(v))} | "
-                                 f"{sum(r['fraction_kept'] for r in v) / len(v):.3f} |")
-            full_t = sum(r["prefill_s"] for r in kvrows) / len(kvrows)
-            lines += ["", f"Mean prefill time (with attention tracking): {full_t:.1f} s.", ""]
-        plot = _plot(rs, ok, model, length, out)
-        if plot:
-            lines += [f"![score vs fraction kept]({plot.name})", ""]
-    lines += ["## Per-task scores", "", "| model | length | setting | task | method | " +
-              " | ".join(f"keep {k:g}" for k in sorted({r['keep_ratio'] for r in rows}, reverse=True)) + " |"]
-    all_ratios = sorted({r["keep_ratio"] for r in rows}, reverse=True)
-    lines.append("|---|---|---|---|---|" + "---|" * len(all_ratios))
-    table: dict[tuple, dict[float, float]] = defaultdict(dict)
-    for r in rows:
-        table[(r["model"], r["length"], r["setting"], r["task"], r["method"])][r["keep_ratio"]] = r["score"]
-    for key, vals in sorted(table.items()):
-        lines.append("| " + " | ".join(map(str, key)) + " | " +
-                     " | ".join(f"{vals[k]:.2f}" if k in vals else "–" for k in all_ratios) + " |")
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _mean_curve(points: dict[float, list[tuple[float, float]]]) -> tuple[list[float], list[float]]:
-    ratios = sorted(points)
-    x = [sum(p[0] for p in points[k]) / len(points[k]) for k in ratios]
-    y = [sum(p[1] for p in points[k]) / len(points[k]) for k in ratios]
-    return x, y
-
-
-def _plot(rs: list[dict], ok: set[str], model: str, length: int, out: Path) -> Path | None:
-    """Score vs measured fraction of KV bytes kept, per method: agnostic, aware, and ppl-recall."""
-    panels = [("agnostic", lambda r: r["setting"] == "agnostic" and r["task"] in ok, "mean score (usable tasks)"),
-              ("aware", lambda r: r["setting"] == "aware" and r["task"] in ok, "mean score (usable tasks)"),
-              ("ppl-recall", lambda r: r["task"] == "ppl-recall", "perplexity (log)")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    drawn = False
-    for ax, (title, keep, ylabel) in zip(axes, panels):
-        series: dict[str, dict[float, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
-        for r in rs:
-            if keep(r) and r["method"] != "full":
-                series[r["method"]][r["keep_ratio"]].append((r["fraction_kept"], r["score"]))
-        for method, points in series.items():
-            ax.plot(*_mean_curve(points), marker="o", label=method)
-            drawn = True
-        ax.set_title(f"{model} @ {length}: {title}")
-        ax.set_xlabel("fraction of KV bytes kept")
-        ax.set_ylabel(ylabel)
-        ax.set_xscale("log")
-        if title == "ppl-recall":
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    if not drawn:
-        plt.close(fig)
-        return None
-    path = out / f"score_vs_kept_{model}_{length}.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

@@ -1,0 +1,137 @@
+"""The race against kvpress, kvmem's side: export the suite's prompts, run kvpress in its own virtualenv,
+score its answers the way kvmem's are scored.
+
+1. `export_tasks`: the long-context suite's samples (same tasks, seed, lengths and chat-template split),
+   as token ids, for the tasks the suite swept (screened-out tasks are not raced). Both libraries read
+   exactly the same tokens; `eos_ids` carry the model's end-of-turn tokens.
+2. `run_kvpress`: `kvpress_runner.py` under `.venv-race` (kvpress pins transformers < 5.3), one process per
+   model side by side, each appending to its own raw file (resumable).
+3. `score_raw`: kvmem's `score_output` on every raw answer -> `records.jsonl` with `library="kvpress"`, the
+   file the report reads beside the suite's records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvmem.errors import KVMemError
+from kvmem.eval.tasks import make_samples, score_output
+
+RUNNER = Path(__file__).with_name("kvpress_runner.py")
+# kvpress presses left out because they download weights or statistics from the Hugging Face hub.
+SKIPPED_DOWNLOADS = ("DuoAttentionPress", "QFilterPress", "KVzapPress", "FastKVzipPress", "ExpectedAttentionStatsPress",
+                     "LUKVPress", "RestoreKVPress")
+
+
+def swept_tasks(bench_records: Path) -> dict[tuple[str, int], list[str]]:
+    """(model, length) -> tasks the suite ran a sweep on (screened-out tasks have full-cache rows only)."""
+    out: dict[tuple[str, int], set[str]] = {}
+    if bench_records.exists():
+        for line in bench_records.read_text().splitlines():
+            r = json.loads(line)
+            if r["method"] != "full" and not r["task"].startswith("ppl-"):
+                out.setdefault((r["model"], r["length"]), set()).add(r["task"])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengths: list[int] | None = None,
+                 samples: int = 30, seed: int = 0) -> int:
+    """Write the prompts of every swept (model, length, task) sample to `path`; returns how many."""
+    from kvmem.generate import end_ids
+    from kvmem.models import load_model
+    from kvmem.prompts import build_prompt
+
+    plan = {k: v for k, v in swept_tasks(bench / "records.jsonl").items()
+            if (not models or k[0] in models) and (not lengths or k[1] in lengths)}
+    if not plan:
+        raise KVMemError(f"no swept task in {bench / 'records.jsonl'} for these models and lengths: run the suite first")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("w") as f:
+        for model in sorted({m for m, _ in plan}):
+            lm = load_model(model)
+            for (m, length), tasks in sorted(plan.items()):
+                if m != model:
+                    continue
+                for task in tasks:
+                    for i, s in enumerate(make_samples(task, lm.tokenizer, length, samples, seed)):
+                        p = build_prompt(lm.tokenizer, s.context, s.question, s.answer_prefix)
+                        f.write(json.dumps(dict(model=model, model_path=str(lm.folder), length=length, task=task,
+                                                sample=i, context_ids=p.context, question_ids=p.question,
+                                                answers=list(s.answers), max_new_tokens=s.max_new_tokens,
+                                                eos_ids=sorted(end_ids(lm)))) + "\n")
+                        n += 1
+    return n
+
+
+def run_kvpress(tasks: Path, out: Path, venv: Path, threads: int = 1, extra: list[str] | None = None) -> None:
+    """One runner process per model in the task file, side by side; each appends to out/raw-MODEL.jsonl."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise KVMemError(f"no kvpress virtualenv at {venv}: run `make race-setup` first")
+    models = sorted({json.loads(line)["model"] for line in tasks.read_text().splitlines() if line.strip()})
+    procs = []
+    started = time.time()
+    for model in models:
+        cmd = [str(python), str(RUNNER), "--tasks", str(tasks), "--out", str(out / f"raw-{model}.jsonl"),
+               "--models", model, "--threads", str(threads), *(extra or [])]
+        log = open(out / f"runner-{model}.log", "a")
+        procs.append((model, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})))
+    failed = [m for m, p in procs if p.wait() != 0]
+    with (out / "runs.jsonl").open("a") as f:
+        f.write(json.dumps(dict(start=started, end=time.time(), models=models, threads=threads)) + "\n")
+    if failed:
+        raise KVMemError(f"the kvpress runner failed for {', '.join(failed)}: see {out}/runner-*.log")
+
+
+def score_raw(out: Path, tasks: Path) -> int:
+    """Score every raw kvpress answer with kvmem's function: rewrites out/records.jsonl, and out/errors.json
+    with the presses kvpress could not run on a model (never scored). Returns the number of records."""
+    answers = {}
+    for line in tasks.read_text().splitlines():
+        s = json.loads(line)
+        answers[(s["model"], s["length"], s["task"], s["sample"])] = s["answers"]
+    rows, errors = [], {}
+    for raw in sorted(out.glob("raw-*.jsonl")):
+        for line in raw.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("error"):
+                errors.setdefault(r["model"], {})[f"{r['method']} @ keep {r['keep_ratio']:g}"] = r["error"]
+                continue
+            r["score"] = score_output(answers[(r["model"], r["length"], r["task"], r["sample"])], r["output"])
+            rows.append(r)
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "errors.json").write_text(json.dumps(dict(not_runnable=errors, skipped_downloads=SKIPPED_DOWNLOADS), indent=1))
+    return len(rows)
+
+
+def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race"), venv: Path = Path(".venv-race"),
+         models: list[str] | None = None, lengths: list[int] | None = None, samples: int = 30, threads: int = 1,
+         check: int = 0, presses: list[str] | None = None, first: int | None = None) -> Path:
+    """Export, run kvpress (or, with `check`, compare its pipeline with the harness on `check` samples a
+    model), score, and rebuild the suite's report with the race in it. `presses` limits the presses run and
+    `first` the samples per task they run on (the costly presses on a subset); records accumulate."""
+    from kvmem.eval.report import write_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = out / "tasks.jsonl"
+    export_tasks(bench, tasks, models, lengths, samples)
+    if check:
+        for model in sorted({json.loads(line)["model"] for line in tasks.read_text().splitlines()}):
+            subprocess.run([str(venv / "bin" / "python"), str(RUNNER), "--tasks", str(tasks), "--models", model,
+                            "--check", str(check), "--check-out", str(out / f"harness_check-{model}.json"),
+                            "--threads", str(threads)], check=True, stdout=sys.stderr)
+        return out
+    to_run = tasks
+    if first is not None:  # sample i does not depend on the count, so the first N are a fixed subset
+        to_run = out / "tasks-subset.jsonl"
+        to_run.write_text("".join(line + "\n" for line in tasks.read_text().splitlines() if json.loads(line)["sample"] < first))
+    run_kvpress(to_run, out, venv, threads, ["--presses", ",".join(presses)] if presses else None)
+    score_raw(out, tasks)
+    write_report(bench, out)
+    return out

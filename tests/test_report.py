@@ -1,0 +1,71 @@
+"""The long-context report from synthetic per-sample records: usable tasks, CIs, paired significance,
+the race tables and the README block."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from kvmem.eval.report import MEAN, Scores, full_cache, summary_rows, update_readme, usable_tasks, write_report
+
+
+def records(library_scores: dict[str, dict[float, float]], n: int = 30, seed: int = 0, tasks=("easy", "hard"),
+            full_hard: float = 0.5) -> list[dict]:
+    """Scores drawn per (method, ratio) with the given success probability; `hard` is a task the full cache
+    mostly fails, so it must be flagged. Each sample has a shared difficulty, as real samples do."""
+    rng = random.Random(seed)
+    out = []
+    for task in tasks:
+        for i in range(n):
+            difficulty = rng.random()
+            for setting in ("agnostic", "aware"):
+                for method, by_ratio in library_scores.items():
+                    for ratio, p in by_ratio.items():
+                        p = full_hard if (task == "hard" and method == "full") else p
+                        out.append(dict(model="m", length=1024, task=task, sample=i, setting=setting, method=method,
+                                        keep_ratio=ratio, score=float(difficulty < p), output="",
+                                        kv_bytes=int(1000 * ratio), kv_bytes_full=1000, prefill_s=1.0,
+                                        compress_s=0.01, answer_s=0.5, batch=3))
+    return out
+
+
+METHODS = {"full": {1.0: 0.95}, "good": {0.5: 0.9, 0.25: 0.8}, "bad": {0.5: 0.3, 0.25: 0.1}, "twin": {0.5: 0.88, 0.25: 0.78}}
+
+
+def test_usable_tasks_and_headline_rows():
+    scores = Scores(records(METHODS))
+    full = full_cache(scores)
+    assert usable_tasks(full) == {("m", 1024): ["easy"]}  # "hard" is below 0.8 with the full cache
+    rows = summary_rows(scores, usable_tasks(full))
+    mean = {(r["setting"], r["method"], r["keep_ratio"]): r for r in rows if r["task"] == MEAN}
+    good, bad, twin = (mean[("agnostic", m, 0.5)] for m in ("good", "bad", "twin"))
+    assert good["best"] and not good["below_best"] and good["n"] == 30
+    assert bad["below_best"]  # clearly worse: the paired interval excludes 0
+    assert not twin["below_best"]  # two points apart on 30 samples: not distinguishable
+    assert good["lo"] <= good["score"] <= good["hi"] and bad["hi"] < good["lo"]
+    assert not any(r["task"] == "hard" for r in rows)
+
+
+def test_report_marks_significance_and_races(tmp_path):
+    out, race = tmp_path / "longctx", tmp_path / "race"
+    out.mkdir()
+    race.mkdir()
+    (out / "records.jsonl").write_text("\n".join(json.dumps(r) for r in records(METHODS)))
+    press = records({"full": {1.0: 0.95}, "snapkv": {0.5: 0.5, 0.25: 0.4}, "random": {0.5: 0.2, 0.25: 0.1}})
+    for r in press:
+        r.update(library="kvpress", kv_bytes=1000, press_s=0.1)  # masking presses hold everything
+    (race / "records.jsonl").write_text("\n".join(json.dumps(r) for r in press if r["setting"] == "agnostic"))
+    rows = write_report(out, race, tmp_path / "speed")
+    report = (out / "report.md").read_text()
+    assert "| bad | " in report and "▼" in report and "**0.80" in report
+    assert "| m @ 1024 | 0.5 | good: 0.80" in report and "snapkv: 0.37 [0.20, 0.53] n=30" in report and "(significant)" in report
+    assert "| m @ 1024 | full | full | 1 |" in report  # the full caches agree: fidelity of the baseline
+    assert (out / "race_pareto.png").exists() and (out / "score_vs_kept_m_1024.png").exists()
+    assert any(r["library"] == "kvpress" for r in json.loads((out / "results.json").read_text()))
+    assert rows
+
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- results: x -->\nSTALE\n<!-- /results -->\nb\n")
+    update_readme(out, readme, tmp_path / "none.json")
+    text = readme.read_text()
+    assert "STALE" not in text and "**m @ 1024 tokens** — 1 usable tasks (easy)" in text and text.endswith("b\n")
