@@ -504,7 +504,7 @@ def two_hop(rng: random.Random, tokenizer, target: int) -> Sample:
     return _needle_sample(
         "two-hop", rng, tokenizer, target, list(zip(_depths(rng, 4), facts)),
         f"\nIn which room is the office of the person who leads the {projects[0]} project?",
-        f" The {projects[0]} project is led by", [rooms[0]], 32, FACTS_PREAMBLE)
+        f" The office of the person who leads the {projects[0]} project is in room", [rooms[0]], 16, FACTS_PREAMBLE)
 
 
 def _sentence_with(abstract: str, name: str) -> str:
