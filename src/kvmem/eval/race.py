@@ -89,13 +89,14 @@ def run_kvpress(tasks: Path, out: Path, venv: Path, threads: int = 1, extra: lis
         raise KVMemError(f"the kvpress runner failed for {', '.join(failed)}: see {out}/runner-*.log")
 
 
-def score_raw(out: Path, tasks: Path) -> int:
+def score_raw(out: Path) -> int:
     """Score every raw kvpress answer with kvmem's function: rewrites out/records.jsonl, and out/errors.json
     with the presses kvpress could not run on a model (never scored). Returns the number of records."""
     answers = {}
-    for line in tasks.read_text().splitlines():
-        s = json.loads(line)
-        answers[(s["model"], s["length"], s["task"], s["sample"])] = s["answers"]
+    for path in sorted(out.glob("tasks*.jsonl")):  # every export so far (runs per model write their own)
+        for line in path.read_text().splitlines():
+            s = json.loads(line)
+            answers[(s["model"], s["length"], s["task"], s["sample"])] = s["answers"]
     rows, errors = [], {}
     for raw in sorted(out.glob("raw-*.jsonl")):
         for line in raw.read_text().splitlines():
@@ -119,7 +120,7 @@ def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race")
     from kvmem.eval.report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
-    tasks = out / "tasks.jsonl"
+    tasks = out / f"tasks-{'-'.join(sorted(models)) if models else 'all'}.jsonl"  # runs per model side by side
     export_tasks(bench, tasks, models, lengths, samples)
     if check:
         for model in sorted({json.loads(line)["model"] for line in tasks.read_text().splitlines()}):
@@ -129,9 +130,9 @@ def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race")
         return out
     to_run = tasks
     if first is not None:  # sample i does not depend on the count, so the first N are a fixed subset
-        to_run = out / "tasks-subset.jsonl"
+        to_run = out / f"subset-{tasks.name}"
         to_run.write_text("".join(line + "\n" for line in tasks.read_text().splitlines() if json.loads(line)["sample"] < first))
     run_kvpress(to_run, out, venv, threads, ["--presses", ",".join(presses)] if presses else None)
-    score_raw(out, tasks)
+    score_raw(out)
     write_report(bench, out)
     return out
