@@ -28,7 +28,7 @@ test: setup
 # Tasks run in this order; a task the full cache fails on its first 8 samples is screened out (cheaply).
 SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --methods full,random,streaming-llm,h2o,snapkv,tova,knorm \
          --threads 1 --out results/longctx
-TASKS := fact-single,fact-distractors,niah-single-number,two-hop,qa-cloze
+TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa-cloze
 
 bench: setup
 	$(MAKE) -j2 bench-smollm2 bench-gemma

@@ -69,3 +69,13 @@ def test_report_marks_significance_and_races(tmp_path):
     update_readme(out, readme, tmp_path / "none.json")
     text = readme.read_text()
     assert "STALE" not in text and "**m @ 1024 tokens** — 1 usable tasks (easy)" in text and text.endswith("b\n")
+
+
+def test_race_runs_only_the_usable_swept_tasks(tmp_path):
+    from kvmem.eval.race import usable_swept_tasks
+
+    rows = records(METHODS)  # "easy" is usable, "hard" is swept but flagged
+    rows += [dict(r, task="screened") for r in rows if r["task"] == "easy" and r["method"] == "full"]  # full cache only
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert usable_swept_tasks(path) == {("m", 1024): ["easy"]}

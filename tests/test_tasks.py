@@ -38,7 +38,7 @@ def test_task_names():
     assert set(TASKS) == {
         "niah-single-number", "niah-single-word", "niah-single-uuid", "niah-multikey", "niah-multivalue",
         "niah-multiquery", "passkey", "variable-tracking", "common-words", "qa-abstracts",
-        "fact-single", "fact-distractors", "two-hop", "qa-cloze",
+        "fact-single", "fact-distractors", "fact-profile", "two-hop", "qa-cloze",
     }
 
 
@@ -182,6 +182,19 @@ def test_facts_are_inserted_once_and_one_is_asked(task, n_facts, samples):
         person = next(p for p in found if p in s.question)
         assert found[person] == s.answers[0] and s.context.count(s.answers[0]) == 1
         assert s.answer_prefix.strip() == attr.prefix.format(p=person)
+
+
+def test_fact_profile_states_every_kind_of_one_person(samples):
+    for s in samples["fact-profile"]:
+        person = re.search(r"([A-Z][a-z]+ [A-Z][a-z]+)", s.question).group(1)
+        for attr in ATTRIBUTES.values():  # one fact of each kind, all about the asked person
+            fact = re.escape(attr.fact.format(p=person, v="VALUE")).replace("VALUE", r"\w+")
+            assert len(re.findall(fact, s.context)) == 1
+        assert s.context.count(person) == len(ATTRIBUTES) and s.context.count(s.answers[0]) == 1
+
+
+def test_only_a_single_answer_stops_at_the_end_of_its_line(samples):
+    assert all(s.one_line for s in samples["fact-single"]) and not any(s.one_line for s in samples["niah-multivalue"])
 
 
 def test_two_hop_needs_both_facts(samples):

@@ -190,7 +190,8 @@ def decode(model, tok, cache, s: dict, batch: int) -> list[list[int]]:
         for b, token in enumerate(next_ids.tolist()):
             if done[b]:
                 continue
-            if token in ends or (token in newlines and any(c.isalnum() for c in tok.decode(outs[b]))):
+            if token in ends or (s.get("one_line", True) and token in newlines
+                                 and any(c.isalnum() for c in tok.decode(outs[b]))):
                 done[b] = True
                 continue
             outs[b].append(token)

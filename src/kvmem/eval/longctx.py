@@ -135,7 +135,8 @@ def answer_configs(lm: LoadedModel, sample, pre: Prefilled, configs: list[tuple[
             if not group:
                 continue
             t0 = time.perf_counter()
-            outs = answer_batch(lm, [r[2] for r in group], question, sample.max_new_tokens, answers=sample.answers)
+            outs = answer_batch(lm, [r[2] for r in group], question, sample.max_new_tokens,
+                                stop_at_newline=sample.one_line, answers=sample.answers)
             answer_s = time.perf_counter() - t0
             for (method, ratio, _, kv, compress_s), tokens in zip(group, outs):
                 out = lm.tokenizer.decode(tokens)

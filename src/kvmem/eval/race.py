@@ -28,25 +28,30 @@ SKIPPED_DOWNLOADS = ("DuoAttentionPress", "QFilterPress", "KVzapPress", "FastKVz
                      "LUKVPress", "RestoreKVPress")
 
 
-def swept_tasks(bench_records: Path) -> dict[tuple[str, int], list[str]]:
-    """(model, length) -> tasks the suite ran a sweep on (screened-out tasks have full-cache rows only)."""
-    out: dict[tuple[str, int], set[str]] = {}
-    if bench_records.exists():
-        for line in bench_records.read_text().splitlines():
-            r = json.loads(line)
-            if r["method"] != "full" and not r["task"].startswith("ppl-"):
-                out.setdefault((r["model"], r["length"]), set()).add(r["task"])
-    return {k: sorted(v) for k, v in out.items()}
+def usable_swept_tasks(bench_records: Path) -> dict[tuple[str, int], list[str]]:
+    """(model, length) -> tasks the suite ran a sweep on whose full-cache score makes them usable
+    (screened-out and flagged tasks tell nothing about compression, so the race skips them)."""
+    from kvmem.eval.report import Scores, full_cache, usable_tasks
+
+    if not bench_records.exists():
+        return {}
+    records = [json.loads(line) for line in bench_records.read_text().splitlines()]
+    swept: dict[tuple[str, int], set[str]] = {}
+    for r in records:
+        if r["method"] != "full" and not r["task"].startswith("ppl-"):
+            swept.setdefault((r["model"], r["length"]), set()).add(r["task"])
+    usable = usable_tasks(full_cache(Scores(records)))
+    return {k: sorted(v & set(usable.get(k, ()))) for k, v in swept.items() if v & set(usable.get(k, ()))}
 
 
 def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengths: list[int] | None = None,
                  samples: int = 30, seed: int = 0) -> int:
-    """Write the prompts of every swept (model, length, task) sample to `path`; returns how many."""
+    """Write the prompts of every usable swept (model, length, task) sample to `path`; returns how many."""
     from kvmem.generate import end_ids
     from kvmem.models import load_model
     from kvmem.prompts import build_prompt
 
-    plan = {k: v for k, v in swept_tasks(bench / "records.jsonl").items()
+    plan = {k: v for k, v in usable_swept_tasks(bench / "records.jsonl").items()
             if (not models or k[0] in models) and (not lengths or k[1] in lengths)}
     if not plan:
         raise KVMemError(f"no swept task in {bench / 'records.jsonl'} for these models and lengths: run the suite first")
@@ -63,7 +68,7 @@ def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengt
                         p = build_prompt(lm.tokenizer, s.context, s.question, s.answer_prefix)
                         f.write(json.dumps(dict(model=model, model_path=str(lm.folder), length=length, task=task,
                                                 sample=i, context_ids=p.context, question_ids=p.question,
-                                                answers=list(s.answers), max_new_tokens=s.max_new_tokens,
+                                                answers=list(s.answers), max_new_tokens=s.max_new_tokens, one_line=s.one_line,
                                                 eos_ids=sorted(end_ids(lm)))) + "\n")
                         n += 1
     return n

@@ -73,6 +73,11 @@ class Sample:
     answers: tuple[str, ...]  # every string the model should produce; score = fraction found
     max_new_tokens: int  # enough greedy tokens to produce all answers
 
+    @property
+    def one_line(self) -> bool:
+        """Whether the answer ends with its first line: one answer does; a list may run over several."""
+        return len(self.answers) == 1
+
 
 def _count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
@@ -495,6 +500,19 @@ def fact_distractors(rng: random.Random, tokenizer, target: int) -> Sample:
     return _facts_sample("fact-distractors", rng, tokenizer, target, 5)
 
 
+def fact_profile(rng: random.Random, tokenizer, target: int) -> Sample:
+    """Three facts of different kinds (room, city, year) about one person, far apart; one is asked for.
+    A cache compressed before the question must keep all three."""
+    person, kinds = _person(rng), sorted(ATTRIBUTES)
+    values = [ATTRIBUTES[k].value(rng) for k in kinds]
+    facts = [ATTRIBUTES[k].fact.format(p=person, v=v) for k, v in zip(kinds, values)]
+    asked = rng.randrange(len(kinds))
+    attr = ATTRIBUTES[kinds[asked]]
+    return _needle_sample("fact-profile", rng, tokenizer, target, list(zip(_depths(rng, len(kinds)), facts)),
+                          "\n" + attr.question.format(p=person), " " + attr.prefix.format(p=person),
+                          [values[asked]], 16, FACTS_PREAMBLE)
+
+
 def two_hop(rng: random.Random, tokenizer, target: int) -> Sample:
     """Project -> leader -> office room, with a second project/leader/room chain as a distractor."""
     projects = _distinct(lambda: f"{rng.choice(ADJECTIVES).title()} {rng.choice(NOUNS).title()}", 2)
@@ -545,6 +563,7 @@ TASKS: dict[str, Callable[[random.Random, object, int], Sample]] = {
     "qa-abstracts": qa_abstracts,
     "fact-single": fact_single,
     "fact-distractors": fact_distractors,
+    "fact-profile": fact_profile,
     "two-hop": two_hop,
     "qa-cloze": qa_cloze,
 }
