@@ -219,10 +219,10 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
                 diff = paired(a, b)
                 if diff is None:
                     continue
-                ka, kb_ = kvmem.interval(model, length, "agnostic", ours, ratio, tasks)[0], press.interval(
-                    model, length, "agnostic", theirs, ratio, tasks)[0]
+                common = sorted(set(a) & set(b))  # both scores on the samples the difference is taken on
+                ka, kb_ = (bootstrap_mean([x[k]["score"] for k in common], strata=[k[0] for k in common]) for x in (a, b))
                 lines.append(f"| {model} @ {length} | {ours} | {theirs} | {ratio:g} | {_fmt(ka)} | {_fmt(kb_)} | "
-                             f"{_fmt(diff)} | {'no' if diff.significant else 'yes'} |")
+                             f"{_fmt(diff)} n={len(common)} | {'no' if diff.significant else 'yes'} |")
     lines.append("")
     return lines
 
