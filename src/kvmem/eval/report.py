@@ -32,6 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kvmem.eval.stats import Interval, bootstrap_mean, paired_difference  # noqa: E402
 
 FULL_CACHE_MIN = 0.8  # a task whose full-cache score is below this measures nothing about compression
+RACE_MIN_SAMPLES = 30  # fewer answers than this (a press run on a subset so far) cannot be a race's best
 MEAN = "mean"  # the task name of rows averaged over the usable tasks
 SETTINGS = ("agnostic", "aware")
 SHARED = {"random": "random", "streaming-llm": "streaming-llm", "snapkv": "snapkv", "tova": "tova",
@@ -199,10 +200,16 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
             pb = [r for k, r in p_index.items() if k[:2] == (model, length) and k[3] == ratio]
             if not kb or not pb:
                 continue
+            kb, pb = [r for r in kb if r["n"] >= RACE_MIN_SAMPLES], [r for r in pb if r["n"] >= RACE_MIN_SAMPLES]
+            if not kb or not pb:
+                continue
             kbest, pbest = max(kb, key=lambda r: r["score"]), max(pb, key=lambda r: r["score"])
             diff = paired(kvmem.samples(model, length, "agnostic", kbest["method"], ratio, tasks),
                           press.samples(model, length, "agnostic", pbest["method"], ratio, tasks))
-            verdict = "–" if diff is None else _fmt(diff) + (" (significant)" if diff.significant else " (not significant)")
+            common = set(kvmem.samples(model, length, "agnostic", kbest["method"], ratio, tasks)) & set(
+                press.samples(model, length, "agnostic", pbest["method"], ratio, tasks))
+            verdict = "–" if diff is None else _fmt(diff) + f" n={len(common)}" + (
+                " (significant)" if diff.significant else " (not significant)")
             lines.append(f"| {model} @ {length} | {ratio:g} | {kbest['method']}: {_fmt(_iv(kbest))} n={kbest['n']} | "
                          f"{_mib(kbest['kv_bytes'])} | {pbest['method']}: {_fmt(_iv(pbest))} n={pbest['n']} | "
                          f"{_mib(pbest['kv_bytes'])} | {verdict} |")
@@ -366,7 +373,9 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
     lines += ["## The race against kvpress (agnostic setting)", "",
               "The same prompts (token ids exported once) through kvpress's presses in its own virtualenv "
               "(`make race`); outputs are scored by the same function. kvmem's best and kvpress's best per keep ratio, "
-              "with the bytes each actually holds after compression.", "",
+              f"with the bytes each actually holds after compression; a best is chosen among cells with at least "
+              f"{RACE_MIN_SAMPLES} samples (a costly press run on a subset competes once it has them), and the paired "
+              "difference is taken on the samples both ran.", "",
               *race_tables(rows, press_rows, kvmem, press, usable)]
     if (race_dir / "errors.json").exists():
         errors = json.loads((race_dir / "errors.json").read_text())
@@ -380,7 +389,7 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
     if (speed_dir / "results.json").exists():
         from kvmem.eval.speed import speed_section
 
-        lines += ["## Speed and memory", "", *speed_section(json.loads((speed_dir / "results.json").read_text())["rows"])]
+        lines += [*speed_section(json.loads((speed_dir / "results.json").read_text())["rows"])]
     lines += ["## Per-task scores (95% CI)", ""]
     for (model, length), ts in sorted(usable.items()):
         for setting in SETTINGS:
