@@ -66,9 +66,10 @@ def test_report_marks_significance_and_races(tmp_path):
 
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- results: x -->\nSTALE\n<!-- /results -->\nb\n")
-    update_readme(out, readme, tmp_path / "none.json")
+    update_readme(out, readme, tmp_path / "none.json", race)
     text = readme.read_text()
     assert "STALE" not in text and "**m @ 1024 tokens** — 1 usable tasks (easy)" in text and text.endswith("b\n")
+    assert "The race against kvpress" in text and "snapkv: 0.37 [0.20, 0.53] n=30" in text and "Fidelity" not in text
 
 
 def test_race_runs_only_the_usable_swept_tasks(tmp_path):

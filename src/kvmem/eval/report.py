@@ -180,7 +180,7 @@ def headline(rows: list[dict], usable: dict[tuple, list[str]], full: dict) -> li
 
 
 def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, press: Scores,
-                usable: dict[tuple, list[str]]) -> list[str]:
+                usable: dict[tuple, list[str]], fidelity: bool = True) -> list[str]:
     """Per model x length x keep ratio (agnostic): kvmem's best against kvpress's best, the paired
     difference, and bytes held; then the fidelity check of the methods both libraries have."""
     lines = []
@@ -213,6 +213,8 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
             lines.append(f"| {model} @ {length} | {ratio:g} | {kbest['method']}: {_fmt(_iv(kbest))} n={kbest['n']} | "
                          f"{_mib(kbest['kv_bytes'])} | {pbest['method']}: {_fmt(_iv(pbest))} n={pbest['n']} | "
                          f"{_mib(pbest['kv_bytes'])} | {verdict} |")
+    if not fidelity:
+        return lines + [""]
     lines += ["", "### Fidelity: the methods both libraries have (agnostic; paired difference kvmem − kvpress)", "",
               "| model @ length | kvmem method | kvpress press | keep | kvmem | kvpress | difference | agree |",
               "|---|---|---|---|---|---|---|---|"]
@@ -329,20 +331,24 @@ def cost_lines(records: list[dict], runs: list[dict], label: str) -> list[str]:
             f"({len(spans)} runs, processes side by side counted once)."]
 
 
+def _summaries(records: list[dict], press_records: list[dict]):
+    """Both libraries' scores, the full-cache table, the usable tasks and the summary rows of each."""
+    kvmem, press = Scores(records), Scores(press_records)
+    full = full_cache(kvmem)
+    usable = usable_tasks(full)
+    rows = summary_rows(kvmem, usable)
+    press_rows = summary_rows(press, {k: v for k, v in usable.items() if any(p[:2] == k for p in press.keys())}, "kvpress")
+    return kvmem, press, full, usable, rows, press_rows
+
+
 def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None = None) -> list[dict]:
     """Rebuild results.json, report.md and the plots in `out` from its records (and the race and speed
     results beside it, when present). Returns the summary rows."""
     out = Path(out)
     race_dir = Path(race_dir) if race_dir else out.parent / "race"
     speed_dir = Path(speed_dir) if speed_dir else out.parent / "speed"
-    records = read_records(out / "records.jsonl")
-    kvmem = Scores(records)
-    full = full_cache(kvmem)
-    usable = usable_tasks(full)
-    rows = summary_rows(kvmem, usable)
-    press_records = read_records(race_dir / "records.jsonl")
-    press = Scores(press_records)
-    press_rows = summary_rows(press, {k: v for k, v in usable.items() if any(p[:2] == k for p in press.keys())}, "kvpress")
+    records, press_records = read_records(out / "records.jsonl"), read_records(race_dir / "records.jsonl")
+    kvmem, press, full, usable, rows, press_rows = _summaries(records, press_records)
     (out / "results.json").write_text(json.dumps(rows + press_rows, indent=1))
 
     lines = ["# kvmem long-context benchmark", "", __doc__.split("\n\n", 1)[1].split("`results.json`")[0].strip(), "",
@@ -380,8 +386,12 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
     if (race_dir / "errors.json").exists():
         errors = json.loads((race_dir / "errors.json").read_text())
         for model, presses in sorted(errors["not_runnable"].items()):
-            for name, error in sorted(presses.items()):
-                lines.append(f"- kvpress fails on {model} with `{name}`: {error.splitlines()[0][:160]}")
+            failed: dict[tuple[str, str], list[str]] = defaultdict(list)  # (press, error) -> keep ratios
+            for name, error in presses.items():
+                press_name, keep = name.split(" @ keep ")
+                failed[(press_name, error.splitlines()[0][:160])].append(keep)
+            for (press_name, error), keeps in sorted(failed.items()):
+                lines.append(f"- kvpress fails on {model} with `{press_name}` (keep {', '.join(sorted(keeps, reverse=True))}): {error}")
         lines += [f"- Not run (they download weights or statistics from the hub): {', '.join(errors['skipped_downloads'])}.", ""]
     pareto = _pareto_plot(rows, press_rows, out)
     if pareto:
@@ -410,14 +420,16 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
 
 
 def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("README.md"),
-                  retrieval: Path = Path("results/retrieval/results.json")) -> None:
+                  retrieval: Path = Path("results/retrieval/results.json"), race: Path = Path("results/race")) -> None:
     """Rewrite the README's results blocks (between its `<!-- results` and `<!-- retrieval` markers) from
     the long-context records (the report's headline) and the retrieval results.json."""
     results = Path(results)
-    kvmem = Scores(read_records(results / "records.jsonl"))
-    full = full_cache(kvmem)
-    usable = usable_tasks(full)
-    rows = summary_rows(kvmem, usable)
+    kvmem, press, full, usable, rows, press_rows = _summaries(read_records(results / "records.jsonl"),
+                                                              read_records(Path(race) / "records.jsonl"))
+    race_lines = []
+    if press_rows:
+        race_lines = ["**The race against kvpress** (agnostic; `make race`): kvmem's best against kvpress's best, "
+                      "paired on the samples both ran.", "", *race_tables(rows, press_rows, kvmem, press, usable, fidelity=False)]
     block = "\n".join([
         "<!-- results: regenerated from results/longctx/records.jsonl (the Headline of results/longctx/report.md) -->",
         "Regenerate with `make bench` (it resumes from `results/longctx/records.jsonl`). Mean score over the tasks the",
@@ -426,6 +438,7 @@ def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("
         "and memory, per-task scores and plots: [results/longctx/report.md](results/longctx/report.md).",
         "",
         *headline(rows, usable, full),
+        *race_lines,
         "<!-- /results -->",
     ])
     text = readme.read_text()
