@@ -261,7 +261,7 @@ def _pareto_plot(kvmem_rows: list[dict], press_rows: list[dict], out: Path) -> P
         ax.set_ylabel("mean score, usable tasks")
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=6, ncol=2)  # per panel: each panel has its own set of runnable presses and colours
     path = out / "race_pareto.png"
     fig.tight_layout()
     fig.savefig(path, dpi=100)
