@@ -54,7 +54,8 @@ def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengt
     plan = {k: v for k, v in usable_swept_tasks(bench / "records.jsonl").items()
             if (not models or k[0] in models) and (not lengths or k[1] in lengths)}
     if not plan:
-        raise KVMemError(f"no swept task in {bench / 'records.jsonl'} for these models and lengths: run the suite first")
+        raise KVMemError(f"no usable swept task (full cache >= 0.8) in {bench / 'records.jsonl'} for models "
+                         f"{models or 'any'} and lengths {lengths or 'any'}: run the suite on them first (`make bench`)")
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with path.open("w") as f:
