@@ -73,6 +73,15 @@ def test_eval_writes_results_report_and_plot(tmp_path):
             assert r["fraction_kept"] < 0.7
     report = (tmp_path / "report.md").read_text()
     assert "## Which tasks count" in report and "| fact-single |" in report
+    # a method added later runs on the samples already done; nothing else is recomputed
+    result = run("eval", "--lengths", "512", "--samples", "2", "--tasks", "fact-single,ppl-next",
+                 "--methods", "full,knorm,streaming-llm,keydiff:budget=pyramid", "--ratios", "1.0,0.5", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    again = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert again[:len(records)] == records
+    added = {(r["task"], r["sample"], r["setting"], r["method"]) for r in again[len(records):]}
+    assert {m for *_, m in added} == {"keydiff:budget=pyramid"}
+    assert len(added) == 2 * 2 + 2  # 2 samples x 2 settings of fact-single, 2 samples of ppl-next (agnostic)
     if any(r["task"] == "mean" for r in rows):  # the model answered with its full cache: there is a headline
         assert list(tmp_path.glob("score_vs_kept_*.png"))
 

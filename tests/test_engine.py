@@ -102,12 +102,14 @@ def test_keep_all_is_identical(kind, request):
     n_ctx=st.integers(6, 40),
     n_new=st.integers(1, 5),
     seed=st.integers(0, 1000),
-    budget=st.sampled_from(["uniform", "adaptive"]),
+    budget=st.sampled_from(["uniform", "adaptive"]),  # layer-equal decisions: one reference mask per layer type
 )
 def test_eviction_equals_masking(kind, ratio, n_ctx, n_new, seed, budget, request):
     model = request.getfixturevalue(kind)
     ctx, new = random_ids(n_ctx, seed), random_ids(n_new, seed + 1)
-    got, cache, kept = run_with_cache(model, ctx, new, lambda c: compress(c, FixedScores(seed), ratio, budget=budget))
+    method = FixedScores(seed)
+    method.budget = budget
+    got, cache, kept = run_with_cache(model, ctx, new, lambda c: compress(c, method, ratio))
     expected = reference_logits(model, ctx, new, cache, kept)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
@@ -142,7 +144,9 @@ def test_adaptive_budget_gives_heads_different_lengths(tiny_llama):
             return torch.linspace(0, 10, head.positions.numel()) if head.head == 0 else torch.zeros(head.positions.numel())
 
     _, cache, _ = run_with_cache(tiny_llama, random_ids(50, 3), random_ids(1, 4))
-    compress(cache, Skewed(), 0.5, budget="adaptive")
+    method = Skewed()
+    method.budget = "adaptive"
+    compress(cache, method, 0.5)
     lengths = cache.tokens_held()[0]
     assert lengths[0] != lengths[1]
     assert lengths[1] >= 5  # Ada-KV's floor: 20% of the uniform share
@@ -197,3 +201,43 @@ def test_clone_is_independent(tiny_llama):
     compress(copy, get_method("knorm"), 0.25)
     assert cache.tokens_held()[0] == [21, 21] and copy.tokens_held()[0] == [6, 6]
     assert cache.kv_bytes() > copy.kv_bytes()
+
+
+def test_pyramid_budget_shrinks_with_depth_and_keeps_the_total():
+    from kvmem.compress.budget import allocate
+
+    scores = {layer: [torch.rand(1000) for _ in range(3)] for layer in range(30)}
+    shares = {layer: [250] * 3 for layer in range(30)}
+    counts = allocate("pyramid", scores, shares, 30)
+    per_layer = [counts[layer][0] for layer in range(30)]
+    assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] > 2 * per_layer[-1]
+    assert per_layer[-1] == round(250 / 20)  # the top layer keeps share / beta
+    assert abs(sum(per_layer) - 30 * 250) <= 30  # the mean is the uniform share (up to rounding)
+    high = allocate("pyramid", scores, {layer: [800] * 3 for layer in range(30)}, 30)
+    assert high[0] == [1000] * 3 and sum(c[0] for c in high.values()) <= 30 * 800 + 30  # capped by what a head holds
+
+
+def test_global_budget_pools_layers_and_heads():
+    from kvmem.compress.budget import allocate
+
+    scores = {0: [torch.full((100,), 5.0), torch.zeros(100)], 1: [torch.ones(100), torch.zeros(100)]}
+    counts = allocate("global", scores, {0: [50, 50], 1: [50, 50]}, 2)
+    assert counts == {0: [100, 1], 1: [98, 1]}  # the top 200 scores, and at least one token per head
+    with pytest.raises(KVMemError, match="global"):
+        allocate("global", {0: scores[0]}, {0: [50, 50]}, 2)
+
+
+def test_duo_budget_gives_retrieval_heads_everything_and_shares_the_rest():
+    from kvmem.compress.budget import STREAMING_MIN, allocate
+
+    scores = {layer: [torch.rand(1000) for _ in range(2)] for layer in range(3)}
+    shares = {layer: [300, 300] for layer in range(3)}  # 1800 tokens in all
+    probe = {0: torch.tensor([0.0, 0.9]), 1: torch.tensor([0.5, 0.0]), 2: torch.tensor([0.1, 0.2])}
+    counts = allocate("duo", scores, shares, 3, probe)
+    assert counts[0][1] == 1000  # the best retrieval head keeps everything
+    assert counts[1][0] < 1000  # a second full head (2000 tokens) does not fit the 1800
+    streaming = [counts[layer][h] for layer in range(3) for h in range(2) if (layer, h) != (0, 1)]
+    assert len(set(streaming)) == 1 and streaming[0] == (1800 - 1000) // 5 >= STREAMING_MIN
+    assert sum(map(sum, counts.values())) <= 1800
+    none = allocate("duo", scores, shares, 3, {layer: torch.zeros(2) for layer in range(3)})
+    assert none == {layer: [300, 300] for layer in range(3)}  # no head ever retrieves: an even split

@@ -82,10 +82,10 @@ def test_batched_answers_equal_one_by_one(name, request):
     base = KVCache(lm.model.config, track_attention=True)
     feed(lm, base, p.context)
     caches = []
-    for method, ratio, budget in [("full", 1.0, "uniform"), ("snapkv", 0.5, "uniform"), ("h2o", 0.25, "adaptive"),
-                                  ("streaming-llm", 0.1, "uniform"), ("knorm", 0.5, "adaptive")]:
+    for spec, ratio in [("full", 1.0), ("snapkv", 0.5), ("h2o:budget=adaptive", 0.25), ("streaming-llm", 0.1),
+                        ("knorm:budget=adaptive", 0.5), ("keydiff:budget=pyramid", 0.25)]:
         c = base.clone()
-        compress(c, get_method(method), ratio, budget=budget)
+        compress(c, get_method(spec), ratio)
         c.drop_observations()
         caches.append(c)
     held = [c.tokens_held() for c in caches]

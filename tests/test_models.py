@@ -10,7 +10,7 @@ import torch
 from transformers import BertConfig, BertModel, DynamicCache, T5Config
 
 from kvmem.cache import KVCache
-from kvmem.compress import Compressor, compress, get_method
+from kvmem.compress import Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.generate import decode, feed
 from kvmem.models import cache_dir, load_model
@@ -132,3 +132,25 @@ def test_decoding_stops_when_the_context_is_full(smollm2):
     logits = feed(small, cache, ids)
     out = decode(small, cache, logits, 20, stop_at_newline=False)
     assert len(out) == 12 - len(ids) + 1 and cache.get_seq_length() == 12  # the last token is generated, not fed
+
+
+@pytest.mark.parametrize("spec", ["kvzip", "expected-attention:budget=pyramid", "keydiff:budget=adaptive"])
+def test_hf_generate_continues_from_a_cache_compressed_with_the_model(smollm2, spec):
+    """Methods that rerun the model (or read its RoPE / calibration) compress after the prefill; transformers'
+    generate then reads only the new tokens on top of the compressed cache, as kvmem's own decode does."""
+    lm = smollm2
+    ids = lm.tokenizer("Alice has 3 cats. Bob has 5 dogs. " * 20).input_ids
+    question = lm.tokenizer(" How many dogs does Bob have? Bob has", add_special_tokens=False).input_ids
+    outs = []
+    for how in ("generate", "decode"):
+        cache = KVCache(lm.model.config)
+        feed(lm, cache, ids)
+        compress(cache, get_method(spec), 0.3, context=ModelContext(lm, ids))
+        if how == "generate":
+            out = lm.model.generate(torch.tensor([ids + question]), cache=cache, max_new_tokens=5, do_sample=False)
+            outs.append(out[0, len(ids) + len(question):].tolist())
+        else:
+            outs.append(decode(lm, cache, feed(lm, cache, question), 5, stop_at_newline=False))
+    assert outs[0] == outs[1]
+    with pytest.raises(KVMemError, match="layer by layer"):
+        Compressor(get_method("kvzip"), 0.3)

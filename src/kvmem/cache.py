@@ -84,7 +84,9 @@ class KVLayer(CacheLayerMixin):
         self.recent_queries: Tensor | None = None  # (query heads, <= observe_window, head_dim)
         self.recent_positions: Tensor | None = None
         self.scaling: float | None = None  # the model's attention scaling, seen by observe()
-        self._seen: tuple | None = None  # what the current forward's attention sees, for observe()
+        # What the current forward's attention sees, per head (keys, values, positions) and the new tokens'
+        # positions; set by update(), read by observe() and the compressor it calls, then released.
+        self.seen: tuple | None = None
 
     # -- storage -------------------------------------------------------------------------------------
     @property
@@ -199,7 +201,7 @@ class KVLayer(CacheLayerMixin):
             self._trim_to_window()
         if observing:
             kwargs["kvmem_layer"] = self
-            self._seen = (*heads, new_pos)
+            self.seen = (*heads, new_pos)
         return keys, values
 
     def _allowed(self, key_pos: Tensor, query_pos: Tensor) -> Tensor:
@@ -235,8 +237,7 @@ class KVLayer(CacheLayerMixin):
         """Record what scorers need from this forward's queries (called by kvmem's attention). With
         `track_attention`, attention is computed here, explicitly, so that the weights it needs anyway are
         also summed per key (H2O's accumulated attention); the output is returned, (1, Q, heads, head_dim)."""
-        full_k, full_v, full_p, new_pos = self._seen
-        self._seen = None
+        full_k, full_v, full_p, new_pos = self.seen
         self.scaling = scaling
         q = query[0].detach()  # (query heads, new tokens, head_dim)
         if self.observe_window > 0:
@@ -247,6 +248,7 @@ class KVLayer(CacheLayerMixin):
         out = self._attend_and_accumulate(q, scaling, full_k, full_v, full_p, new_pos) if self.track_attention else None
         if self.compressor is not None:
             self.compressor(self, self.layer_idx)
+        self.seen = None
         return out
 
     def _attend_and_accumulate(self, q: Tensor, scaling: float, full_k, full_v, full_p, new_pos) -> Tensor:
@@ -309,6 +311,8 @@ class KVCache(Cache):
             track_attention = track_attention or compressor.method.needs_attention
         text = config.get_text_config()
         n_layers = text.num_hidden_layers
+        if compressor is not None:
+            compressor.n_layers = n_layers  # layer budgets (pyramid) depend on the depth
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
         unknown = set(layer_types) - {"full_attention", "sliding_attention"}
         if unknown:

@@ -97,10 +97,9 @@ def generate(
     prompt: str = typer.Option(..., help="The question or instruction, fed after the context."),
     context_file: Optional[Path] = typer.Option(None, help="A text file read (and compressed) before the prompt."),
     model: str = typer.Option("smollm2-135m", help="Registry name, local folder or HF id."),
-    method: str = typer.Option("snapkv", help="Compression method (see `kvmem methods`)."),
+    method: str = typer.Option("snapkv", help="Compression method or spec, e.g. kvzip, snapkv:window=64:budget=adaptive (see `kvmem methods`)."),
     keep_ratio: float = typer.Option(0.5, help="Fraction of the context's KV cache kept, in (0, 1]."),
     query_aware: bool = typer.Option(False, help="Compress after reading the prompt too (not reusable across prompts)."),
-    budget: str = typer.Option("uniform", help="uniform: every head keeps the same fraction; adaptive: heads share a layer's budget."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate (stops at end of line)."),
     raw_prompt: bool = typer.Option(False, help="No chat template: the context and prompt as plain text (base models)."),
 ) -> None:
@@ -109,14 +108,14 @@ def generate(
     from kvmem.generate import answer
     from kvmem.models import load_model
 
-    get_method(method)  # fail on a bad name before loading anything
+    m = get_method(method)  # fail on a bad name before loading anything
     if not 0.0 < keep_ratio <= 1.0:
         raise KVMemError(f"keep ratio must be in (0, 1]; got {keep_ratio}")
-    if method == "full" and keep_ratio < 1.0:
+    if m.name == "full" and keep_ratio < 1.0:
         raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
     context = context_file.read_text() if context_file else ""
     lm = load_model(model)
-    a = answer(lm, context, prompt, method, keep_ratio, query_aware, max_new_tokens, budget, raw_prompt=raw_prompt)
+    a = answer(lm, context, prompt, method, keep_ratio, query_aware, max_new_tokens, raw_prompt=raw_prompt)
     console.print(a.text.strip(), highlight=False)
     console.print(f"[dim]KV held {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
                   f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}[/dim]", highlight=False)
@@ -248,19 +247,25 @@ def methods_() -> None:
     """List the compression and embedding methods, the papers they follow, and the embedders' options."""
     import inspect
 
-    from kvmem.compress import METHODS
+    from kvmem.compress import BUDGETS, METHODS
     from kvmem.embed import EMBEDDERS
 
-    console.print("[bold underline]compression[/bold underline] (kvmem generate/eval --method NAME)")
+    def options(cls, skip=("self", "model", "tokenizer", "layer")) -> list[str]:
+        return [f"{p.name}={p.default!r}" for p in inspect.signature(cls.__init__).parameters.values()
+                if p.name not in skip and p.default is not p.empty]
+
+    console.print("[bold underline]compression[/bold underline] (kvmem generate/eval --method NAME[:option=value...])")
+    console.print(f"every method also takes budget= one of {', '.join(BUDGETS)} (see kvmem/compress/budget.py)")
     for name, cls in METHODS.items():
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
-        console.print(f"[bold]{name}[/bold]: {' '.join(doc[:3])}", highlight=False)
+        opts = options(cls) + ([f"budget={cls.budget!r}"] if cls.budget != "uniform" else [])
+        console.print(f"[bold]{name}[/bold]: {' '.join(doc[:3])}" + (f"  options: {', '.join(opts)}" if opts else ""),
+                      highlight=False)
     console.print("\n[bold underline]embedding[/bold underline] (kvmem embed --method NAME[:option=value...])")
     for name, cls in EMBEDDERS.items():
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
-        options = [f"{p.name}={p.default!r}" for p in inspect.signature(cls.__init__).parameters.values()
-                   if p.name not in ("self", "model", "tokenizer", "layer") and p.default is not p.empty]
-        console.print(f"[bold]{name}[/bold]: {doc[0] if doc else ''}" + (f"  options: {', '.join(options)}" if options else ""),
+        opts = options(cls)
+        console.print(f"[bold]{name}[/bold]: {doc[0] if doc else ''}" + (f"  options: {', '.join(opts)}" if opts else ""),
                       highlight=False)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kvmem.cache import KVCache
-from kvmem.compress import Method, compress, get_method
+from kvmem.compress import Method, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.models import LoadedModel
 from kvmem.prompts import build_prompt
@@ -152,11 +152,11 @@ def answer(
     keep_ratio: float = 1.0,
     query_aware: bool = False,
     max_new_tokens: int = 32,
-    budget: str = "uniform",
     raw_prompt: bool = False,
     answer_prefix: str = "",
 ) -> Answer:
-    """Read `context`, compress its KV with `method`, then answer `question` (the one-call API).
+    """Read `context`, compress its KV with `method` (a name or spec, e.g. `kvzip` or `snapkv:budget=adaptive`),
+    then answer `question` (the one-call API).
 
     The prompt goes through the tokenizer's chat template (`kvmem.prompts`; `raw_prompt=True` for base
     models). query_aware=False compresses the context before the question is seen (the reusable setting);
@@ -172,7 +172,8 @@ def answer(
     else:
         feed(lm, cache, ctx + q[:-1] if query_aware else ctx)
         full_bytes = cache.kv_bytes()
-        compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None, budget=budget)
+        compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None,
+                 context=ModelContext(lm, ctx, prompt.head))
         kept = cache.kv_bytes()
         cache.drop_observations()
         logits = feed(lm, cache, q[-1:] if query_aware else q)

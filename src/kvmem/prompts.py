@@ -28,6 +28,7 @@ _MARK = "\u2063KVMEM-QUESTION\u2063"  # an invisible separator no document conta
 class Prompt:
     context: list[int]  # compressed (and reusable) part
     question: list[int]  # fed after the context; the model's answer continues it
+    head: int = 0  # leading tokens of `context` that are the template's (system prompt, start of the user turn)
 
     @property
     def ids(self) -> list[int]:
@@ -44,7 +45,8 @@ def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
             raise KVMemError("this tokenizer has no chat template; pass raw=True (--raw-prompt) for a base model")
         head = tokenizer(context, add_special_tokens=True).input_ids if context else []
         tail = ("\n" if context else "") + question + (" " + answer_prefix if answer_prefix else "")
-        return Prompt(head, tokenizer(tail, add_special_tokens=False).input_ids)
+        n_special = len(tokenizer("", add_special_tokens=True).input_ids)
+        return Prompt(head, tokenizer(tail, add_special_tokens=False).input_ids, min(n_special, len(head)))
     content = (context + SEPARATOR if context else "") + _MARK + question
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
@@ -53,4 +55,21 @@ def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
     head, tail = text.split(_MARK)
     tail += answer_prefix
     encode = lambda t: tokenizer(t, add_special_tokens=False).input_ids  # noqa: E731 - the template has them
-    return Prompt(encode(head), encode(tail))
+    ids = encode(head)
+    template_head = encode(_template_parts(tokenizer)[0])
+    n_head = next((i for i, (a, b) in enumerate(zip(ids, template_head)) if a != b), min(len(ids), len(template_head)))
+    return Prompt(ids, encode(tail), n_head)
+
+
+def _template_parts(tokenizer) -> tuple[str, str]:
+    """The chat template's text before and after one user message: (head, end of turn + generation prompt)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True, tokenize=False)
+    head, tail = text.split(_MARK)
+    return head, tail
+
+
+def user_turn_end(tokenizer, raw: bool = False) -> list[int]:
+    """Tokens that close the user's turn and open the assistant's (a newline for raw prompts)."""
+    if raw or tokenizer.chat_template is None:
+        return tokenizer("\n", add_special_tokens=False).input_ids
+    return tokenizer(_template_parts(tokenizer)[1], add_special_tokens=False).input_ids

@@ -1,26 +1,47 @@
-"""Compression methods, one file each, on the shared base in `base.py`.
+"""Compression methods, one file each, on the shared base in `base.py`; budget allocators in `budget.py`.
 
-`get_method(name)` returns a method by its canonical name (the same name the CLI, results and plots use).
+`get_method(spec)` returns a method by its canonical name or a spec with options, e.g. `snapkv`,
+`snapkv:window=64`, `kvzip:budget=adaptive` (the same spelling the CLI, results and plots use).
 """
 
-from kvmem.compress.base import BUDGETS, CompressionResult, Compressor, HeadView, Method, compress
+from kvmem.compress.base import CompressionResult, Compressor, HeadView, Method, ModelContext, compress
+from kvmem.compress.budget import BUDGETS
+from kvmem.compress.curdkv import CurDKV
+from kvmem.compress.expected_attention import ExpectedAttention
 from kvmem.compress.full import Full
 from kvmem.compress.h2o import H2O
+from kvmem.compress.keydiff import KeyDiff
 from kvmem.compress.knorm import KNorm
+from kvmem.compress.q_filters import QFilters
+from kvmem.compress.kvzip import KVzip
+from kvmem.compress.kvzip_head import KVzipHead
 from kvmem.compress.random import Random
 from kvmem.compress.snapkv import SnapKV
 from kvmem.compress.streaming_llm import StreamingLLM
 from kvmem.compress.tova import TOVA
 from kvmem.errors import KVMemError
+from kvmem.spec import check_options, parse_spec
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm)}
-
-
-def get_method(name: str) -> Method:
-    try:
-        return METHODS[name]()
-    except KeyError:
-        raise KVMemError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
+METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm, KeyDiff,
+                                                        CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead)}
 
 
-__all__ = ["BUDGETS", "METHODS", "CompressionResult", "Compressor", "HeadView", "Method", "compress", "get_method"]
+def get_method(spec: str, **options) -> Method:
+    """A method by name or spec (`name:option=value:...`); keyword `options` come after the spec's. `budget`
+    chooses the allocator (see `budget.py`); the rest go to the method's constructor."""
+    name, spec_options = parse_spec(spec, METHODS, "method")
+    options = {**spec_options, **options}
+    cls = METHODS[name]
+    budget = options.pop("budget", cls.budget)
+    if budget not in BUDGETS:
+        raise KVMemError(f"unknown budget {budget!r} in {spec!r}; choose from {', '.join(BUDGETS)}")
+    if name == "full" and budget != "uniform":
+        raise KVMemError("method 'full' keeps every token; it takes no budget")
+    check_options(name, cls, options)
+    method = cls(**options)
+    method.budget, method.options = budget, options
+    return method
+
+
+__all__ = ["BUDGETS", "METHODS", "CompressionResult", "Compressor", "HeadView", "Method", "ModelContext", "compress",
+           "get_method"]

@@ -5,22 +5,29 @@ its query group, and accumulated attention when tracked) and returns a score per
 kept. `compress()` turns a keep ratio into a per-(layer, head) token budget, asks the method which
 tokens to keep, and evicts the rest from the `KVCache` for real.
 
+How many tokens each head keeps is the method's `budget` (an allocator in `budget.py`), set in its spec:
+`get_method("snapkv:window=64:budget=adaptive")`. Methods that score by running the model again (KVzip)
+set `needs_model` and get a `ModelContext` (the model and the token ids the cache holds).
+
 Compression strength is always stated as the fraction of tokens *kept* (keep ratio in (0, 1]).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
 from torch import Tensor
 
 from kvmem.cache import KVCache, KVLayer
+from kvmem.compress.budget import BUDGETS, WHOLE_CACHE, allocate
 from kvmem.errors import KVMemError
+from kvmem.spec import format_spec
 
-BUDGETS = ("uniform", "adaptive")
+if TYPE_CHECKING:
+    from kvmem.models import LoadedModel
 
 
 @dataclass
@@ -49,12 +56,28 @@ class HeadView:
         return scores.masked_fill(~allowed[None], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
 
 
+@dataclass
+class ModelContext:
+    """What a method that runs the model needs: the model, the token ids the cache holds (from position 0),
+    and how many of them are the chat template's head (`Prompt.head`). Methods memoize their scores in
+    `memo`, so one context serves every keep ratio tried on copies of one cache; make a new one per cache."""
+
+    lm: "LoadedModel"
+    ids: list[int]
+    head: int = 0
+    memo: dict = field(default_factory=dict)
+
+
 class Method:
-    """Base class of an eviction method. Subclasses set `name` and implement `score` (or `select`)."""
+    """Base class of an eviction method. Subclasses set `name` and implement `score` (or `select`, or
+    `score_cache`). Constructor arguments are the method's options (`name:option=value` in a spec)."""
 
     name: ClassVar[str]
     needs_attention: ClassVar[bool] = False  # needs KVCache(track_attention=True)
     observe_window: ClassVar[int] = 0  # how many recent queries `score` reads
+    needs_model: ClassVar[bool] = False  # scores by running the model: compress() needs `context=`
+    budget: str = "uniform"  # the allocator (budget.py); get_method sets it from the spec
+    options: dict = {}  # the spec's options other than budget, for `spec`
 
     def score(self, head: HeadView) -> Tensor:
         """(T,) importance per token; the highest `n_keep` are kept."""
@@ -64,12 +87,47 @@ class Method:
         """Scores for all heads of a layer; override when heads must share a decision (e.g. TOVA)."""
         return [self.score(h) for h in heads]
 
+    def score_cache(self, views: dict[int, list[HeadView]], cache: KVCache, context: ModelContext | None) -> dict[int, list[Tensor]]:
+        """Scores of every head of the layers in `views`; override to score from the whole cache (KVzip)."""
+        return {layer: self.score_layer(heads) for layer, heads in views.items()}
+
     def select(self, head: HeadView, score: Tensor, n_keep: int) -> Tensor:
         """Indices of the tokens to keep. Default: top-`n_keep` by score."""
         return score.topk(n_keep).indices
 
+    @property
+    def spec(self) -> str:
+        """The canonical spelling (`name:option=value:...`) used by the CLI and results."""
+        extra = {} if self.budget == type(self).budget else {"budget": self.budget}
+        return format_spec(self.name, {**self.options, **extra})
+
     def __repr__(self) -> str:
-        return self.name
+        return self.spec
+
+
+def replay(lm: "LoadedModel", cache: KVCache, ids: list[int], on_layer) -> None:
+    """Feed `ids` on a copy of `cache` (dropped afterwards) and, in every layer, right after attention, call
+    `on_layer(layer_idx, queries, keys, positions, new_positions, scaling)`: the new tokens' queries after
+    RoPE (query heads, Q, D), and per KV head the keys and positions attention saw (cached + new, before a
+    sliding layer drops what later tokens cannot see). For scorers that run the model (KVzip) and probes."""
+    from kvmem.generate import feed
+
+    def hook(layer: KVLayer, idx: int) -> None:
+        keys, _, positions, new_pos = layer.seen
+        on_layer(idx, layer.recent_queries[:, -len(new_pos):], keys, positions, new_pos, layer.scaling)
+
+    work = cache.clone()
+    for layer in work.layers:
+        layer.observe_window, layer.track_attention, layer.head_attention = len(ids), False, None
+        layer.compressor = hook
+    feed(lm, work, ids)
+
+
+def causal_logits(queries: Tensor, keys: Tensor, key_pos: Tensor, query_pos: Tensor, scaling: float) -> Tensor:
+    """Attention logits (group, Q, K) of one KV head's query group over its keys, -inf where a key comes
+    after the query (no sliding window: replays score what a head holds)."""
+    logits = torch.einsum("gqd,kd->gqk", queries.float(), keys.float()) * scaling
+    return logits.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
 
 
 @dataclass
@@ -108,29 +166,20 @@ def head_views(layer: KVLayer, layer_idx: int) -> list[HeadView]:
     return views
 
 
-def _allocate(scores: list[Tensor], budgets: list[int], mode: str) -> list[int]:
-    """Tokens each head keeps. `adaptive` (Ada-KV, Feng et al. 2024, arXiv 2407.11550) pools a layer's
-    budget across its heads: the layer keeps its top tokens by score whichever head they are in, with
-    a floor of 20% of the uniform share per head. Scores are compared as they are, so this is meant for
-    methods whose scores are attention weights (h2o, snapkv, tova)."""
-    if mode == "uniform":
-        return budgets
-    floor = [min(max(1, int(0.2 * b)), s.numel()) for b, s in zip(budgets, scores)]
-    rest = [s.float().sort(descending=True).values[f:] for s, f in zip(scores, floor)]  # beyond each floor
-    owner = torch.cat([torch.full((r.numel(),), h) for h, r in enumerate(rest)])
-    extra = owner[torch.cat(rest).topk(min(sum(budgets) - sum(floor), owner.numel())).indices]
-    return [f + e for f, e in zip(floor, torch.bincount(extra, minlength=len(scores)).tolist())]
-
-
-def _check(method: Method, ratios: list[float], budget: str, layer: KVLayer) -> None:
+def _check(method: Method, ratios: list[float], layer: KVLayer, context: ModelContext | None = None) -> None:
     if method.name == "full" and min(ratios) < 1.0:
         raise KVMemError("method 'full' keeps every token; its keep ratio must be 1.0")
-    if budget not in BUDGETS:
-        raise KVMemError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
+    if method.budget not in BUDGETS:
+        raise KVMemError(f"unknown budget {method.budget!r}; choose from {', '.join(BUDGETS)}")
     if method.needs_attention and not layer.track_attention:
         raise KVMemError(f"method {method.name!r} needs the cache built with track_attention=True before prefill")
-    if method.observe_window and layer.recent_queries is None:
-        raise KVMemError(f"method {method.name!r} needs observed queries; the cache has none (observe_window=0?)")
+    if method.observe_window and (layer.recent_queries is None or layer.observe_window < method.observe_window):
+        raise KVMemError(f"method {method.spec!r} reads the last {method.observe_window} queries; the cache keeps "
+                         f"{layer.observe_window if layer.recent_queries is not None else 0} (KVCache(observe_window=...))")
+    if (method.needs_model or method.budget == "duo") and context is None:
+        why = (f"method {method.name!r} needs the model (it reruns it, or reads its RoPE or calibration)"
+               if method.needs_model else "budget 'duo' needs the model (its retrieval-head probe)")
+        raise KVMemError(f"{why}: pass context=ModelContext(lm, ids) (the token ids the cache holds)")
 
 
 @torch.no_grad()
@@ -140,49 +189,56 @@ def compress(
     keep_ratio: float | Sequence[float],
     *,
     protect_from: int | None = None,
-    budget: str = "uniform",
+    context: ModelContext | None = None,
 ) -> CompressionResult:
-    """Evict tokens from `cache` in place so each layer keeps `keep_ratio` of its compressible tokens.
+    """Evict tokens from `cache` in place so each layer keeps `keep_ratio` of its compressible tokens,
+    shared among heads by the method's budget.
 
     Tokens at positions >= `protect_from` (e.g. the question in the query-aware setting) are always kept
-    and not counted in the budget. `keep_ratio` may be one float or one per layer. `budget` is `uniform`
-    (every head keeps the same fraction) or `adaptive` (heads of a layer share the layer's budget).
+    and not counted in the budget. `keep_ratio` may be one float or one per layer. `context` is needed by
+    methods that run the model (`method.needs_model`).
     """
     ratios = check_keep_ratio(keep_ratio, len(cache.layers))
-    _check(method, ratios, budget, cache.layers[0])
+    _check(method, ratios, cache.layers[0], context)
     before = cache.kv_bytes(), sum(map(sum, cache.tokens_held()))
-    for layer_idx, ratio in enumerate(ratios):
-        compress_layer(cache.layers[layer_idx], layer_idx, method, ratio, protect_from=protect_from, budget=budget)
+    layers = {i: layer for i, layer in enumerate(cache.layers) if ratios[i] < 1.0 and layer.is_initialized}
+    if layers:
+        views = {i: head_views(layer, i) for i, layer in layers.items()}
+        scores = method.score_cache(views, cache, context)
+        head_scores = None
+        if method.budget == "duo":
+            from kvmem.compress.retrieval_heads import retrieval_scores
+
+            probe = retrieval_scores(context.lm, "needle-copy")
+            head_scores = {i: probe[f"layer.{i}"] for i in layers}
+        evict(layers, views, scores, method, {i: ratios[i] for i in layers}, len(cache.layers), protect_from,
+              head_scores)
     return CompressionResult(before[0], cache.kv_bytes(), before[1], sum(map(sum, cache.tokens_held())))
 
 
-@torch.no_grad()
-def compress_layer(layer: KVLayer, layer_idx: int, method: Method, ratio: float, *,
-                   protect_from: int | None = None, budget: str = "uniform") -> None:
-    """Score, budget and evict one layer (see `compress`)."""
-    if ratio >= 1.0 or not layer.is_initialized:
-        return
-    views = head_views(layer, layer_idx)
-    scores = method.score_layer(views)
-    budgets, compressible = [], []
-    for view in views:
-        mask = view.positions < protect_from if protect_from is not None else torch.ones_like(view.positions, dtype=torch.bool)
-        compressible.append(mask)
-        budgets.append(max(1, math.ceil(ratio * int(mask.sum()))))
-    region_scores = [s[m] for s, m in zip(scores, compressible)]
-    counts = _allocate(region_scores, budgets, budget)
-    keep = []
-    for view, score, mask, n_keep in zip(views, scores, compressible, counts):
-        region = mask.nonzero().squeeze(1)
-        if n_keep >= region.numel():
-            chosen = region
-        else:
-            sub = HeadView(**{**view.__dict__, "keys": view.keys[region], "values": view.values[region],
-                              "positions": view.positions[region],
-                              "attention": view.attention[:, region] if view.attention is not None else None})
-            chosen = region[method.select(sub, score[region], n_keep)]
-        keep.append(torch.cat([chosen, (~mask).nonzero().squeeze(1)]))
-    layer.keep_only(keep)
+def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: dict[int, list[Tensor]], method: Method,
+          ratios: dict[int, float], n_layers: int, protect_from: int | None = None,
+          head_scores: dict[int, Tensor] | None = None) -> None:
+    """Budget and evict: each head keeps its allocated number of compressible tokens, chosen by
+    `method.select`, plus every protected token."""
+    masks = {i: [h.positions < protect_from if protect_from is not None else torch.ones_like(h.positions, dtype=torch.bool)
+                 for h in heads] for i, heads in views.items()}
+    shares = {i: [max(1, math.ceil(ratios[i] * int(m.sum()))) for m in masks[i]] for i in views}
+    counts = allocate(method.budget, {i: [s[m] for s, m in zip(scores[i], masks[i])] for i in views}, shares, n_layers,
+                      head_scores)
+    for i, layer in layers.items():
+        keep = []
+        for view, score, mask, n_keep in zip(views[i], scores[i], masks[i], counts[i]):
+            region = mask.nonzero().squeeze(1)
+            if n_keep >= region.numel():
+                chosen = region
+            else:
+                sub = HeadView(**{**view.__dict__, "keys": view.keys[region], "values": view.values[region],
+                                  "positions": view.positions[region],
+                                  "attention": view.attention[:, region] if view.attention is not None else None})
+                chosen = region[method.select(sub, score[region], n_keep)]
+            keep.append(torch.cat([chosen, (~mask).nonzero().squeeze(1)]))
+        layer.keep_only(keep)
 
 
 class Compressor:
@@ -191,23 +247,37 @@ class Compressor:
     Each layer is compressed right after its attention has read the first forward (the prefill): the
     rest of that forward is unaffected, exactly as if the whole cache were compressed afterwards. With
     `every=N`, every N later forwards each layer is brought back to the size it had after that.
-    Use: `KVCache(config, compressor=Compressor(get_method("snapkv"), 0.25))`.
+    Use: `KVCache(config, compressor=Compressor(get_method("snapkv"), 0.25))`. Layer by layer, so budgets
+    that compare layers (`global`, `duo`) and methods that need the model (`kvzip`) are applied with `compress()`
+    after the prefill instead; `model.generate` then continues from that cache.
     """
 
-    def __init__(self, method: Method, keep_ratio: float, every: int = 0, budget: str = "uniform"):
+    def __init__(self, method: Method, keep_ratio: float, every: int = 0):
         check_keep_ratio(keep_ratio, 1)
-        self.method, self.keep_ratio, self.every, self.budget = method, keep_ratio, every, budget
+        if method.needs_model or method.budget in WHOLE_CACHE:
+            what = (f"method {method.name!r} needs the model" if method.needs_model
+                    else f"budget {method.budget!r} compares heads of all layers")
+            raise KVMemError(f"{what}, so it cannot compress layer by layer as the model runs: prefill, then call "
+                             "kvmem.compress.compress(cache, method, ratio, context=...), then generate from the cache")
+        self.method, self.keep_ratio, self.every = method, keep_ratio, every
+        self.n_layers = 0  # set by the KVCache it is given to
         self._budget: dict[int, int] = {}  # layer -> max tokens per head after the prefill
         self._steps: dict[int, int] = {}
 
+    def _compress(self, layer: KVLayer, layer_idx: int, ratio: float) -> None:
+        views = {layer_idx: head_views(layer, layer_idx)}
+        evict({layer_idx: layer}, views, {layer_idx: self.method.score_layer(views[layer_idx])}, self.method,
+              {layer_idx: ratio}, self.n_layers)
+
     def __call__(self, layer: KVLayer, layer_idx: int) -> None:
         if layer_idx not in self._budget:
-            _check(self.method, [self.keep_ratio], self.budget, layer)
-            compress_layer(layer, layer_idx, self.method, self.keep_ratio, budget=self.budget)
+            _check(self.method, [self.keep_ratio], layer)
+            if self.keep_ratio < 1.0:
+                self._compress(layer, layer_idx, self.keep_ratio)
             self._budget[layer_idx], self._steps[layer_idx] = max(layer.lengths()), 0
             return
         self._steps[layer_idx] += 1
         if self.every and self._steps[layer_idx] % self.every == 0:
             ratio = self._budget[layer_idx] / max(layer.lengths())
             if ratio < 1.0:
-                compress_layer(layer, layer_idx, self.method, ratio, budget=self.budget)
+                self._compress(layer, layer_idx, ratio)

@@ -20,6 +20,7 @@ class SnapKV(Method):
 
     def __init__(self, window: int = 32, kernel_size: int = 7):
         self.window, self.kernel_size = window, kernel_size
+        self.observe_window = window  # the cache must keep this many recent queries
 
     def score(self, head: HeadView) -> Tensor:
         votes = head.query_attention(last=self.window).sum(dim=1).mean(dim=0)  # (T,)

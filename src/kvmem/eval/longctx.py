@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from kvmem import __version__
-from kvmem.compress import METHODS, compress, get_method
+from kvmem.compress import METHODS, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.eval.report import write_report
 from kvmem.eval.tasks import TASKS, make_samples, perplexity_text, score
@@ -69,8 +69,7 @@ class EvalConfig:
         for t in self.tasks:
             if t not in ALL_TASKS:
                 raise KVMemError(f"unknown task {t!r}; choose from {', '.join(ALL_TASKS)}")
-        for m in self.methods:
-            get_method(m)
+        self.methods = [get_method(m).spec for m in self.methods]  # canonical spelling in results
         for r in self.ratios:
             if not 0.0 < r <= 1.0:
                 raise KVMemError(f"keep ratio must be in (0, 1]; got {r}")
@@ -123,10 +122,12 @@ def answer_configs(lm: LoadedModel, sample, pre: Prefilled, configs: list[tuple[
     records = []
     for setting, (src, full) in pre.sources.items():
         rows = []
+        context = ModelContext(lm, pre.prompt.context, pre.prompt.head)  # kvzip reconstructs once per setting
         for method, ratio in configs:
             cache = src.clone()
             t0 = time.perf_counter()
-            compress(cache, get_method(method), ratio, protect_from=len(pre.prompt.context) if setting == "aware" else None)
+            compress(cache, get_method(method), ratio, protect_from=len(pre.prompt.context) if setting == "aware" else None,
+                     context=context)
             compress_s = time.perf_counter() - t0
             cache.drop_observations()
             rows.append((method, ratio, cache, cache.kv_bytes(), compress_s))
@@ -161,10 +162,11 @@ def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) 
     prefill_s = time.perf_counter() - t0
     full = base.kv_bytes()
     records = []
-    for method, ratio in _configs(methods, ratios):
+    context = ModelContext(lm, ctx[:-1])
+    for method, ratio in _configs(methods, ratios)[0 if "full" in methods else 1:]:
         t0 = time.perf_counter()
         cache = base.clone()
-        compress(cache, get_method(method), ratio)
+        compress(cache, get_method(method), ratio, context=context)
         kv = cache.kv_bytes()
         cache.drop_observations()
         loss = nll(lm, cache, ctx[-1:] + cont)
@@ -175,9 +177,10 @@ def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) 
     return records
 
 
-def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: list[int], cfg: EvalConfig,
+def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict[int, list[str]], cfg: EvalConfig,
               records_path: Path) -> None:
-    """Run the pending samples of one task, appending each sample's records as it finishes.
+    """Run the pending samples of one task (sample -> the methods it still lacks), appending each sample's
+    records as it finishes; a method added to the suite later runs on the samples already done.
 
     Screening: the first SCREEN_SAMPLES samples are answered with the full cache first, their prefilled
     caches held. If the full cache averages below SCREEN_STOP on them, the model cannot do this task:
@@ -195,31 +198,34 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: list
     if task in PPL_TASKS:
         pairs = perplexity_text(lm.tokenizer, L - PPL_CONTINUATION - 1, PPL_CONTINUATION, cfg.samples, cfg.seed,
                                 kind=task.split("-", 1)[1])
-        for i in pending:
-            write(i, _run_ppl(lm, *pairs[i], cfg.methods, cfg.ratios))
+        for i, missing in pending.items():
+            write(i, _run_ppl(lm, *pairs[i], missing, cfg.ratios))
         return
     samples = make_samples(task, lm.tokenizer, L, cfg.samples, cfg.seed)
-    sweep = _configs(cfg.methods, cfg.ratios)[1:]
     full = [r["score"] for r in _records(records_path) if (r["model"], r["length"], r["task"], r["method"],
             r["setting"]) == (model_name, L, task, "full", "agnostic")]
     if len(full) >= SCREEN_SAMPLES and sum(full[:SCREEN_SAMPLES]) / SCREEN_SAMPLES < SCREEN_STOP:
         return  # screened out in an earlier run
     held: list[tuple[int, Prefilled, list[dict]]] = []  # screening samples, waiting for the decision
-    for n, i in enumerate(pending):
+    for n, (i, missing) in enumerate(pending.items()):
+        sweep = _configs([m for m in missing if m != "full"], cfg.ratios)[1:]
         pre = prefill_sample(lm, samples[i], raw_prompt=cfg.raw_prompt)
+        if "full" not in missing:  # screened in an earlier run: only the methods added since
+            write(i, answer_configs(lm, samples[i], pre, sweep))
+            continue
         first = answer_configs(lm, samples[i], pre, [("full", 1.0)])
         if len(full) >= SCREEN_SAMPLES:
             write(i, first + answer_configs(lm, samples[i], pre, sweep))
             continue
-        held.append((i, pre, first))
+        held.append((i, pre, first, sweep))
         full.append(next(r["score"] for r in first if r["setting"] == "agnostic"))
         if len(full) == SCREEN_SAMPLES or n == len(pending) - 1:
             if len(full) == SCREEN_SAMPLES and sum(full) / len(full) < SCREEN_STOP:
-                for j, _, recs in held:
+                for j, _, recs, _ in held:
                     write(j, recs)
                 return
-            for j, held_pre, recs in held:
-                write(j, recs + answer_configs(lm, samples[j], held_pre, sweep))
+            for j, held_pre, recs, held_sweep in held:
+                write(j, recs + answer_configs(lm, samples[j], held_pre, held_sweep))
             held = []
 
 
@@ -227,8 +233,12 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _done_keys(path: Path) -> set[tuple]:
-    return {(r["model"], r["length"], r["task"], r["sample"]) for r in _records(path)}
+def _done_methods(path: Path) -> dict[tuple, set[str]]:
+    """(model, length, task, sample) -> the methods recorded for it."""
+    done: dict[tuple, set[str]] = {}
+    for r in _records(path):
+        done.setdefault((r["model"], r["length"], r["task"], r["sample"]), set()).add(r["method"])
+    return done
 
 
 def run(cfg: EvalConfig, progress: bool = True) -> Path:
@@ -236,11 +246,12 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
     cfg.validate()
     cfg.out.mkdir(parents=True, exist_ok=True)
     records_path = cfg.out / "records.jsonl"
-    done = _done_keys(records_path)
+    done = _done_methods(records_path)
+    methods = list(dict.fromkeys(["full", *cfg.methods]))
     started = time.time()
     for model_name in cfg.models:
-        todo = [(L, t, i) for L in cfg.lengths for t in cfg.tasks for i in range(cfg.samples)
-                if (model_name, L, t, i) not in done]
+        todo = {(L, t, i): missing for L in cfg.lengths for t in cfg.tasks for i in range(cfg.samples)
+                if (missing := [m for m in methods if m not in done.get((model_name, L, t, i), set())])}
         if not todo:
             continue
         lm = load_model(model_name)
@@ -250,7 +261,7 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
         bar = tqdm(total=len(todo), desc=model_name, disable=not progress, unit="sample")
         for L in cfg.lengths:
             for task in cfg.tasks:
-                pending = [i for (L2, t, i) in todo if L2 == L and t == task]
+                pending = {i: missing for (L2, t, i), missing in todo.items() if L2 == L and t == task}
                 if not pending:
                     continue
                 bar.set_postfix_str(f"{task} @ {L}")

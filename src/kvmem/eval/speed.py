@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from kvmem.cache import KVCache, storage_bytes
-from kvmem.compress import METHODS, Compressor, compress, get_method
+from kvmem.compress import METHODS, Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.eval.stats import bootstrap_mean
 
@@ -129,7 +129,7 @@ def new_cache(lm, kind: str):
     if kind == "kvmem-tracked":
         return KVCache(lm.model.config, track_attention=True)
     if kind in COMPRESSED_KINDS:  # each layer compressed right after its prefill attention
-        return KVCache(lm.model.config, compressor=Compressor(get_method("snapkv"), KEEP_RATIO, budget=KIND_BUDGET[kind]))
+        return KVCache(lm.model.config, compressor=Compressor(get_method(f"snapkv:budget={KIND_BUDGET[kind]}"), KEEP_RATIO))
     raise KVMemError(f"unknown cache kind {kind!r}")
 
 
@@ -273,17 +273,23 @@ def time_model_length(lm, model: str, length: int, cfg: SpeedConfig, log=print) 
 
     # Compression on copies (the copy is not timed); h2o needs the tracked cache.
     decode_caches = {"dynamic": caches.pop("dynamic"), "kvmem-full": caches["kvmem"]}
-    for method, budget in [(m, "uniform") for m in cfg.methods] + [("snapkv", "adaptive")]:
-        m = get_method(method)
+    for spec in cfg.methods + ["snapkv:budget=adaptive"]:
+        m = get_method(spec)
+        method, budget = m.name, m.budget
         src = caches["kvmem-tracked"] if m.needs_attention else caches["kvmem"]
         secs = []
-        for _ in range(cfg.compress_repeats):
-            c = src.clone()
-            secs.append(_timed(lambda c=c: compress(c, m, KEEP_RATIO, budget=budget)))
+        try:
+            for _ in range(cfg.compress_repeats):  # a fresh context each time: kvzip's reconstruction is timed every time
+                c = src.clone()
+                secs.append(_timed(lambda c=c: compress(c, m, KEEP_RATIO, context=ModelContext(lm, ids[:n]))))
+        except KVMemError as e:  # e.g. kvzip at a model's full context: no room to reconstruct
+            log(f"compress {model} @ {n}: {m.spec} skipped: {e}")
+            rows.append(dict(base, measure="skipped", method=method, budget=budget, reason=str(e)))
+            continue
         rows.append(dict(base, measure="compress", method=method, budget=budget, keep_ratio=KEEP_RATIO, seconds=secs,
                          median_s=_median(secs), fraction_of_prefill=_median(secs) / untracked_s,
                          kv_bytes=kv_bytes(c), kv_bytes_full=kv_bytes(src), ragged_layers=ragged_layers(c)))
-        if method == "snapkv":
+        if method == "snapkv" and budget in ("uniform", "adaptive"):
             decode_caches["snapkv-0.25" if budget == "uniform" else "snapkv-0.25-adaptive"] = c
     caches.clear()
     log(f"compress {model} @ {n}: " + ", ".join(f"{r['method']}/{r['budget'][0]} {100 * r['fraction_of_prefill']:.2f}%"
@@ -479,6 +485,8 @@ def report(rows: list[dict], meta: dict, plot: Path | None = None) -> str:
              f"wall time {meta['wall_s'] / 60:.1f} min. Command: `{command(meta['config'])}`; results.json has "
              "every measurement (each step, each repeat, ru_maxrss).", ""]
     lines += speed_section(rows)
+    lines += [f"- Not measured: {r['method']} ({r['budget']}) on {r['model']} @ {r['context_tokens']}: {r['reason']}"
+              for r in rows if r["measure"] == "skipped"]
     if plot is not None:
         lines += ["", f"![decode ms per token vs context length]({plot.name})"]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,103 @@
+"""Budget allocators: how many tokens each (layer, KV head) keeps, given every head's scores.
+
+Any scorer composes with any allocator (`snapkv:budget=pyramid`, `kvzip:budget=adaptive`). Each gets the
+scores of the compressible tokens per layer and head, and each head's uniform share (ceil(keep ratio x its
+compressible tokens)); it returns the count per head. All but `uniform` compare scores, so they suit
+scorers whose scores are comparable across heads (attention weights: h2o, snapkv, tova, kvzip,
+expected-attention).
+
+* `uniform`: every head keeps its share.
+* `adaptive` (Ada-KV, Feng et al. 2024, arXiv 2407.11550): a layer's heads pool the layer's budget; the
+  layer keeps its top tokens by score whichever head they are in, with a floor of 20 % of the share per head.
+* `pyramid` (PyramidKV, Cai et al. 2024, arXiv 2406.02069): lower layers keep more, higher layers less,
+  linearly; the top layer keeps share/beta, and the mean over layers is the share (the formula of the
+  reference implementation, KVCache-Factory, without its observation-window term: kvmem's scorers that
+  have a window keep it through their scores).
+* `global` (KVzip, Kim et al. 2025, arXiv 2505.23416): one threshold over every head of every layer, so
+  layers and heads keep what their scores earn. Needs the whole cache at once.
+* `duo` (DuoAttention, Xiao et al. 2024, arXiv 2410.10819): retrieval heads keep everything, the other
+  ("streaming") heads share what is left, at least `STREAMING_MIN` tokens each, chosen by the scorer:
+  `streaming-llm:budget=duo` is DuoAttention's sinks + recent window. The keep ratio sets how many heads
+  can be retrieval heads: heads are taken in the order of a needle-copy probe (`retrieval_heads.py`,
+  fitted once per model) while the budget allows. Needs the whole cache and the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvmem.errors import KVMemError
+
+BUDGETS = ("uniform", "adaptive", "pyramid", "global", "duo")
+WHOLE_CACHE = ("global", "duo")  # budgets that compare heads of different layers
+STREAMING_MIN = 64
+ADAPTIVE_FLOOR = 0.2
+PYRAMID_BETA = 20
+
+
+def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, list[int]], n_layers: int,
+             head_scores: dict[int, Tensor] | None = None) -> dict[int, list[int]]:
+    """Tokens each head keeps: {layer: [count per KV head]} for the layers in `scores`. `head_scores` ranks
+    heads for `duo` (its probe's retrieval scores per layer)."""
+    if budget == "uniform":
+        return shares
+    if budget == "adaptive":
+        return {layer: _pool(scores[layer], shares[layer], ADAPTIVE_FLOOR) for layer in scores}
+    if budget == "pyramid":
+        return {layer: _pyramid(shares[layer], [s.numel() for s in scores[layer]], layer, n_layers) for layer in scores}
+    if budget in WHOLE_CACHE and len(scores) != n_layers:
+        raise KVMemError(f"budget {budget!r} compares heads of every layer: compress the whole cache after the "
+                         "prefill (kvmem.compress.compress), not layer by layer as the model runs")
+    if budget == "duo":
+        return _retrieval_heads_first(scores, shares, head_scores)
+    if budget == "global":
+        layers = sorted(scores)
+        flat = _pool([s for layer in layers for s in scores[layer]], [b for layer in layers for b in shares[layer]], 0.0)
+        out, i = {}, 0
+        for layer in layers:
+            out[layer], i = flat[i:i + len(scores[layer])], i + len(scores[layer])
+        return out
+    raise KVMemError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
+
+
+def _pool(scores: list[Tensor], shares: list[int], floor_fraction: float) -> list[int]:
+    """The heads share sum(shares): each keeps a floor, the rest goes to the highest scores anywhere."""
+    floor = [min(max(1, int(floor_fraction * b)), s.numel()) for b, s in zip(shares, scores)]
+    rest = [s.float().sort(descending=True).values[f:] for s, f in zip(scores, floor)]  # beyond each floor
+    owner = torch.cat([torch.full((r.numel(),), h) for h, r in enumerate(rest)])
+    extra = owner[torch.cat(rest).topk(min(sum(shares) - sum(floor), owner.numel())).indices]
+    return [f + e for f, e in zip(floor, torch.bincount(extra, minlength=len(scores)).tolist())]
+
+
+def _pyramid(shares: list[int], sizes: list[int], layer: int, n_layers: int) -> list[int]:
+    out = []
+    for share, size in zip(shares, sizes):
+        low = share / PYRAMID_BETA
+        high = 2 * share - low
+        if high > size:  # the bottom layer cannot keep more than it holds: the slope flattens
+            high, low = size, 2 * share - size
+        step = (high - low) / (n_layers - 1) if n_layers > 1 else 0.0
+        out.append(min(size, max(1, round(high - layer * step))))
+    return out
+
+
+def _retrieval_heads_first(scores: dict[int, list[Tensor]], shares: dict[int, list[int]],
+                           head_scores: dict[int, Tensor]) -> dict[int, list[int]]:
+    heads = [(layer, h) for layer in sorted(scores) for h in range(len(scores[layer]))]
+    size = {(layer, h): scores[layer][h].numel() for layer, h in heads}
+    total = sum(sum(shares[layer]) for layer in scores)
+    order = sorted(heads, key=lambda lh: -float(head_scores[lh[0]][lh[1]]))
+    full, used = set(), 0
+    for lh in order:  # the best-ranked heads keep everything while the others can still keep STREAMING_MIN
+        rest = len(heads) - len(full) - 1
+        if float(head_scores[lh[0]][lh[1]]) <= 0 or used + size[lh] + rest * STREAMING_MIN > total:
+            break
+        full.add(lh)
+        used += size[lh]
+    streaming = [lh for lh in heads if lh not in full]
+    each = (total - used) // max(len(streaming), 1)
+    out = {layer: [0] * len(scores[layer]) for layer in scores}
+    for lh in heads:
+        out[lh[0]][lh[1]] = size[lh] if lh in full else max(1, min(size[lh], each))
+    return out
