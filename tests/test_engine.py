@@ -241,3 +241,36 @@ def test_duo_budget_gives_retrieval_heads_everything_and_shares_the_rest():
     assert sum(map(sum, counts.values())) <= 1800
     none = allocate("duo", scores, shares, 3, {layer: torch.zeros(2) for layer in range(3)})
     assert none == {layer: [300, 300] for layer in range(3)}  # no head ever retrieves: an even split
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_weighted_row_counts_as_that_many_tokens(tiny_llama, ragged):
+    """A row with log-weight log(n) (RazorAttention's compensation token) attends exactly like n copies of it."""
+    ctx, new = random_ids(20, 11), random_ids(2, 12)
+
+    def build(copies: bool):
+        cache = KVCache(tiny_llama.config)
+        with torch.no_grad():
+            tiny_llama(input_ids=ctx, cache=cache, use_cache=True)
+        for layer in cache.layers:
+            drop = {5, 6, 7} | ({8} if ragged else set())
+            keep = [torch.tensor([i for i in range(20) if i not in drop or (ragged and h == 1 and i == 8)])
+                    for h in range(layer.num_heads)]
+            mean = [(layer.head_keys[h][5:8].mean(0), layer.head_values[h][5:8].mean(0)) for h in range(layer.num_heads)]
+            layer.keep_only(keep)
+            if copies:
+                for p in (5, 6, 7):
+                    layer.add_rows([(k, v, p, 0.0) for k, v in mean])
+            else:
+                layer.add_rows([(k, v, 7, math.log(3)) for k, v in mean])
+        with torch.no_grad():
+            return tiny_llama(input_ids=new, cache=cache, use_cache=True).logits, cache
+
+    weighted, cache = build(False)
+    copied, _ = build(True)
+    torch.testing.assert_close(weighted, copied, atol=1e-5, rtol=1e-5)
+    assert cache.layers[0].dense != ragged
+    w, p = cache.layers[0].log_weights[0], cache.layers[0].head_positions[0]
+    assert w[p == 7].item() == pytest.approx(math.log(3)) and (w[p != 7] == 0).all()  # new tokens weigh one
+    with pytest.raises(KVMemError, match="already holds"):
+        cache.layers[0].add_rows([(torch.zeros(16), torch.zeros(16), 0, 0.0), None])

@@ -289,6 +289,31 @@ def test_duo_budget_keeps_the_probed_retrieval_heads_whole(smollm2, prefilled):
     assert kept != kept_positions(cache, "streaming-llm", 0.5)
 
 
+def test_razor_budget_compensates_what_each_streaming_head_dropped(smollm2, prefilled):
+    cache, _ = prefilled
+    context = ModelContext(smollm2, [])
+    c = cache.clone()
+    compress(c, get_method("streaming-llm:budget=razor"), 0.5, context=context)
+    streaming = 0
+    for layer in c.layers:
+        weights = layer.log_weights or [torch.zeros(n) for n in layer.lengths()]
+        for p, w in zip(layer.head_positions, weights):
+            if len(p) == N_CTX:  # a retrieval head: everything, nothing weighted
+                assert not w.any()
+                continue
+            streaming += 1
+            (row,) = w.nonzero()[:, 0].tolist()  # one compensation row, standing for every dropped token
+            n_dropped = N_CTX - (len(p) - 1)
+            assert w[row].item() == pytest.approx(math.log(n_dropped))
+            kept = set(p.tolist()) - {int(p[row])}
+            assert int(p[row]) == max(set(range(N_CTX)) - kept)  # at the last dropped position
+    assert streaming > 0
+    assert kept_positions(cache, "streaming-llm:budget=razor", 0.5, context) != \
+        kept_positions(cache, "streaming-llm:budget=duo", 0.5, context)  # another probe ranks the heads
+    logits = feed(smollm2, c, smollm2.tokenizer(" and", add_special_tokens=False).input_ids)
+    assert torch.isfinite(logits).all()
+
+
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_every_method_frees_memory_and_still_generates(name, request):
     lm = request.getfixturevalue(name)

@@ -39,9 +39,13 @@ class BatchedLayer(CacheLayerMixin):
         self.keys = first.head_keys[0].new_zeros((*shape, first.head_keys[0].shape[-1]))
         self.values = first.head_values[0].new_zeros((*shape, first.head_values[0].shape[-1]))
         self.positions = torch.full(shape, _PAD_POSITION, dtype=torch.int32, device=self.device)
+        # rows standing for several tokens (compensation rows, KVLayer.log_weights): their logit offsets
+        self.log_weights = torch.zeros(shape, dtype=self.dtype) if any(layer.log_weights for layer in layers) else None
         for b, layer in enumerate(layers):
             for h, (k, v, p) in enumerate(zip(layer.head_keys, layer.head_values, layer.head_positions)):
                 self.keys[b, h, :k.shape[0]], self.values[b, h, :k.shape[0]], self.positions[b, h, :k.shape[0]] = k, v, p
+                if layer.log_weights is not None:
+                    self.log_weights[b, h, :k.shape[0]] = layer.log_weights[h]
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: dict | None = None, **_) -> tuple[Tensor, Tensor]:
         q = key_states.shape[2]
@@ -53,6 +57,8 @@ class BatchedLayer(CacheLayerMixin):
             pad = lambda t, fill: torch.cat([t, t.new_full((*t.shape[:2], grow, *t.shape[3:]), fill)], dim=2)  # noqa: E731
             self.keys, self.values = pad(self.keys, 0), pad(self.values, 0)
             self.positions = pad(self.positions, _PAD_POSITION)
+            if self.log_weights is not None:
+                self.log_weights = pad(self.log_weights, 0)
         self.keys[:, :, self.n:self.n + q] = key_states
         self.values[:, :, self.n:self.n + q] = value_states
         self.positions[:, :, self.n:self.n + q] = new_pos
@@ -62,6 +68,8 @@ class BatchedLayer(CacheLayerMixin):
         allowed = kp <= qp
         if self.is_sliding:
             allowed &= (qp - kp) < self.sliding_window
+        if self.log_weights is not None:
+            allowed = torch.where(allowed, self.log_weights[:, :, None, :self.n], torch.tensor(float("-inf"), dtype=self.dtype))
         if kwargs is not None:
             kwargs["kvmem_mask"] = allowed
         return self.keys[:, :, :self.n], self.values[:, :, :self.n]
@@ -69,6 +77,8 @@ class BatchedLayer(CacheLayerMixin):
     def keep_rows(self, rows: Tensor) -> None:
         """Keep only these batch rows (finished answers leave the batch, so later steps read less)."""
         self.keys, self.values, self.positions = self.keys[rows], self.values[rows], self.positions[rows]
+        if self.log_weights is not None:
+            self.log_weights = self.log_weights[rows]
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         raise KVMemError("a BatchedCache is built from filled caches")

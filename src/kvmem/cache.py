@@ -81,6 +81,9 @@ class KVLayer(CacheLayerMixin):
         self._p: Tensor | list[Tensor] | None = None  # int32 positions, (H, cap) or per-head [(cap_h,)]
         self._n: list[int] = []  # live rows per head
         self.head_attention: list[Tensor] | None = None  # per head (query group, T_h), with track_attention
+        # Per head (T_h,): log of how many tokens a row stands for, added to its attention logit. None: every row
+        # is one token. RazorAttention's compensation rows (the mean of n dropped tokens) carry log(n).
+        self.log_weights: list[Tensor] | None = None
         self.recent_queries: Tensor | None = None  # (query heads, <= observe_window, head_dim)
         self.recent_positions: Tensor | None = None
         self.scaling: float | None = None  # the model's attention scaling, seen by observe()
@@ -146,6 +149,8 @@ class KVLayer(CacheLayerMixin):
         self._n = [n + q for n in self._n]
         if self.head_attention is not None:  # new tokens start with no accumulated attention
             self.head_attention = [torch.cat([a, a.new_zeros((a.shape[0], q))], dim=1) for a in self.head_attention]
+        if self.log_weights is not None:  # new tokens are one token each
+            self.log_weights = [torch.cat([w, w.new_zeros(q)]) for w in self.log_weights]
 
     def _trim_to_window(self) -> None:
         """A sliding layer keeps what the next token can still see: positions > next - window (transformers
@@ -158,6 +163,8 @@ class KVLayer(CacheLayerMixin):
                        [p[d:] for p, d in zip(self.head_positions, drop)])
         if self.head_attention is not None:
             self.head_attention = [a[:, d:].clone() for a, d in zip(self.head_attention, drop)]
+        if self.log_weights is not None:
+            self.log_weights = [w[d:].clone() for w, d in zip(self.log_weights, drop)]
 
     # -- transformers' layer interface -------------------------------------------------------------
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -193,9 +200,12 @@ class KVLayer(CacheLayerMixin):
             n = self._n[0]
             keys, values = self._k[None, :, :n], self._v[None, :, :n]
             if self.compressed:
-                kwargs["kvmem_mask"] = self._allowed(self._p[:, :n], new_pos)[None]
+                lw = torch.stack(self.log_weights) if self.log_weights is not None else None
+                kwargs["kvmem_mask"] = self._mask(self._p[:, :n], new_pos, lw)[None]
         else:  # heads of different lengths: attention runs per KV head on its exact rows (nothing padded)
-            kwargs["kvmem_heads"] = [(k, v, self._allowed(p[None], new_pos)[0]) for k, v, p in zip(*heads)]
+            lws = self.log_weights or [None] * self.num_heads
+            kwargs["kvmem_heads"] = [(k, v, self._mask(p[None], new_pos, None if w is None else w[None])[0])
+                                     for k, v, p, w in zip(*heads, lws)]
             keys, values = heads[0][0][None, None], heads[1][0][None, None]  # unread: kvmem_heads is used
         if self.is_sliding:
             self._trim_to_window()
@@ -211,6 +221,13 @@ class KVLayer(CacheLayerMixin):
         if self.is_sliding:
             allowed &= (qp - kp) < self.sliding_window
         return allowed
+
+    def _mask(self, key_pos: Tensor, query_pos: Tensor, log_weights: Tensor | None) -> Tensor:
+        """`_allowed`, or with row weights (heads, keys) an additive float mask: log-weight where allowed, -inf elsewhere."""
+        allowed = self._allowed(key_pos, query_pos)
+        if log_weights is None:
+            return allowed
+        return torch.where(allowed, log_weights[:, None, :].to(self.dtype), torch.tensor(float("-inf"), dtype=self.dtype))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.compressed:  # kvmem builds this layer's mask itself; transformers' one is unused
@@ -269,6 +286,8 @@ class KVLayer(CacheLayerMixin):
                 lo = int(torch.searchsorted(kp, qp.min() - self.sliding_window, right=True)) if self.is_sliding else 0
                 scores = torch.matmul(q[rows, block], k[lo:hi].T) * scaling
                 scores.masked_fill_(~self._allowed(kp[None, lo:hi], qp)[0][None], float("-inf"))
+                if self.log_weights is not None:
+                    scores += self.log_weights[h][lo:hi]
                 weights = scores.softmax(dim=-1)
                 out[rows, block] = torch.matmul(weights, v[lo:hi])
                 acc[:, lo:hi] += weights.sum(dim=1)
@@ -286,6 +305,33 @@ class KVLayer(CacheLayerMixin):
                        [p.index_select(0, i) for p, i in zip(self.head_positions, idx)])
         if self.head_attention is not None:
             self.head_attention = [a.index_select(1, i) for a, i in zip(self.head_attention, idx)]
+        if self.log_weights is not None:
+            self.log_weights = [w.index_select(0, i) for w, i in zip(self.log_weights, idx)]
+        self.compressed = True
+
+    def add_rows(self, rows: list[tuple[Tensor, Tensor, int, float] | None]) -> None:
+        """Insert one row per head (key, value, position, log-weight), or nothing where None, in position order.
+        The position must be one the head does not hold (e.g. a dropped token's); it has received no attention."""
+        keys, values, positions = self.head_keys, self.head_values, self.head_positions
+        weights = self.log_weights or [k.new_zeros(k.shape[0]) for k in keys]
+        attention = self.head_attention or [None] * len(keys)
+        out: tuple[list, ...] = ([], [], [], [], [])
+        for h, row in enumerate(rows):
+            k, v, p, w, a = keys[h], values[h], positions[h], weights[h], attention[h]
+            if row is not None:
+                at = int(torch.searchsorted(p, torch.tensor(row[2], dtype=p.dtype)))
+                if at < p.numel() and int(p[at]) == row[2]:
+                    raise KVMemError(f"head {h} already holds position {row[2]}")
+                insert = lambda t, x, dim=0: torch.cat([t.narrow(dim, 0, at), x, t.narrow(dim, at, t.shape[dim] - at)], dim)  # noqa: E731
+                k, v = insert(k, row[0][None].to(k.dtype)), insert(v, row[1][None].to(v.dtype))
+                p, w = insert(p, p.new_tensor([row[2]])), insert(w, w.new_tensor([row[3]]))
+                a = None if a is None else insert(a, a.new_zeros((a.shape[0], 1)), 1)
+            for acc, t in zip(out, (k, v, p, w, a)):
+                acc.append(t)
+        self._set_rows(*out[:3])
+        self.log_weights = out[3]
+        if self.head_attention is not None:
+            self.head_attention = out[4]
         self.compressed = True
 
     def kv_tensors(self) -> list[Tensor]:
@@ -297,7 +343,7 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             return []
         extra = [t for t in (self.recent_queries, self.recent_positions) if t is not None]
-        return ([self._p] if self.dense else list(self._p)) + (self.head_attention or []) + extra
+        return ([self._p] if self.dense else list(self._p)) + (self.head_attention or []) + (self.log_weights or []) + extra
 
 
 class KVCache(Cache):

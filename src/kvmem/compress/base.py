@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from kvmem.cache import KVCache, KVLayer
-from kvmem.compress.budget import BUDGETS, WHOLE_CACHE, allocate
+from kvmem.compress.budget import BUDGETS, PROBES, WHOLE_CACHE, allocate
 from kvmem.errors import KVMemError
 from kvmem.spec import format_spec
 
@@ -176,9 +176,9 @@ def _check(method: Method, ratios: list[float], layer: KVLayer, context: ModelCo
     if method.observe_window and (layer.recent_queries is None or layer.observe_window < method.observe_window):
         raise KVMemError(f"method {method.spec!r} reads the last {method.observe_window} queries; the cache keeps "
                          f"{layer.observe_window if layer.recent_queries is not None else 0} (KVCache(observe_window=...))")
-    if (method.needs_model or method.budget == "duo") and context is None:
+    if (method.needs_model or method.budget in PROBES) and context is None:
         why = (f"method {method.name!r} needs the model (it reruns it, or reads its RoPE or calibration)"
-               if method.needs_model else "budget 'duo' needs the model (its retrieval-head probe)")
+               if method.needs_model else f"budget {method.budget!r} needs the model (its retrieval-head probe)")
         raise KVMemError(f"{why}: pass context=ModelContext(lm, ids) (the token ids the cache holds)")
 
 
@@ -206,10 +206,10 @@ def compress(
         views = {i: head_views(layer, i) for i, layer in layers.items()}
         scores = method.score_cache(views, cache, context)
         head_scores = None
-        if method.budget == "duo":
+        if method.budget in PROBES:
             from kvmem.compress.retrieval_heads import retrieval_scores
 
-            probe = retrieval_scores(context.lm, "needle-copy")
+            probe = retrieval_scores(context.lm, PROBES[method.budget])
             head_scores = {i: probe[f"layer.{i}"] for i in layers}
         evict(layers, views, scores, method, {i: ratios[i] for i in layers}, len(cache.layers), protect_from,
               head_scores)
@@ -227,7 +227,7 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
     counts = allocate(method.budget, {i: [s[m] for s, m in zip(scores[i], masks[i])] for i in views}, shares, n_layers,
                       head_scores)
     for i, layer in layers.items():
-        keep = []
+        keep, compensation = [], []
         for view, score, mask, n_keep in zip(views[i], scores[i], masks[i], counts[i]):
             region = mask.nonzero().squeeze(1)
             if n_keep >= region.numel():
@@ -238,7 +238,21 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
                                   "attention": view.attention[:, region] if view.attention is not None else None})
                 chosen = region[method.select(sub, score[region], n_keep)]
             keep.append(torch.cat([chosen, (~mask).nonzero().squeeze(1)]))
+            compensation.append(_compensation(view, region, chosen) if method.budget == "razor" and not layer.is_sliding
+                                else None)
         layer.keep_only(keep)
+        if any(row is not None for row in compensation):
+            layer.add_rows(compensation)
+
+
+def _compensation(view: HeadView, region: Tensor, chosen: Tensor) -> tuple[Tensor, Tensor, int, float] | None:
+    """RazorAttention's compensation token for what a head dropped: mean key and value, standing for all of
+    them (log-weight log n); at the last dropped position, so it stays visible as long as they would."""
+    dropped = region[~torch.isin(region, chosen)]
+    if dropped.numel() == 0:
+        return None
+    return (view.keys[dropped].float().mean(0), view.values[dropped].float().mean(0),
+            int(view.positions[dropped].max()), math.log(dropped.numel()))
 
 
 class Compressor:

@@ -20,6 +20,10 @@ expected-attention).
   `streaming-llm:budget=duo` is DuoAttention's sinks + recent window. The keep ratio sets how many heads
   can be retrieval heads: heads are taken in the order of a needle-copy probe (`retrieval_heads.py`,
   fitted once per model) while the budget allows. Needs the whole cache and the model.
+* `razor` (RazorAttention, Tang et al. 2024, arXiv 2407.15891): the same split, with heads ranked by
+  Razor's echo/induction probe, and each streaming head of a full-attention layer keeps one more row, a
+  compensation token: the mean key and value of what it dropped, weighted by how many it stands for
+  (`evict` adds it; its slot is taken from the head's share).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from torch import Tensor
 
 from kvmem.errors import KVMemError
 
-BUDGETS = ("uniform", "adaptive", "pyramid", "global", "duo")
-WHOLE_CACHE = ("global", "duo")  # budgets that compare heads of different layers
+BUDGETS = ("uniform", "adaptive", "pyramid", "global", "duo", "razor")
+WHOLE_CACHE = ("global", "duo", "razor")  # budgets that compare heads of different layers
+PROBES = {"duo": "needle-copy", "razor": "echo-induction"}  # how each ranks retrieval heads (retrieval_heads.py)
 STREAMING_MIN = 64
 ADAPTIVE_FLOOR = 0.2
 PYRAMID_BETA = 20
@@ -39,7 +44,7 @@ PYRAMID_BETA = 20
 def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, list[int]], n_layers: int,
              head_scores: dict[int, Tensor] | None = None) -> dict[int, list[int]]:
     """Tokens each head keeps: {layer: [count per KV head]} for the layers in `scores`. `head_scores` ranks
-    heads for `duo` (its probe's retrieval scores per layer)."""
+    heads for `duo` and `razor` (their probe's retrieval scores per layer)."""
     if budget == "uniform":
         return shares
     if budget == "adaptive":
@@ -49,8 +54,8 @@ def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, lis
     if budget in WHOLE_CACHE and len(scores) != n_layers:
         raise KVMemError(f"budget {budget!r} compares heads of every layer: compress the whole cache after the "
                          "prefill (kvmem.compress.compress), not layer by layer as the model runs")
-    if budget == "duo":
-        return _retrieval_heads_first(scores, shares, head_scores)
+    if budget in PROBES:
+        return _retrieval_heads_first(scores, shares, head_scores, reserve=1 if budget == "razor" else 0)
     if budget == "global":
         layers = sorted(scores)
         flat = _pool([s for layer in layers for s in scores[layer]], [b for layer in layers for b in shares[layer]], 0.0)
@@ -83,7 +88,8 @@ def _pyramid(shares: list[int], sizes: list[int], layer: int, n_layers: int) -> 
 
 
 def _retrieval_heads_first(scores: dict[int, list[Tensor]], shares: dict[int, list[int]],
-                           head_scores: dict[int, Tensor]) -> dict[int, list[int]]:
+                           head_scores: dict[int, Tensor], reserve: int = 0) -> dict[int, list[int]]:
+    """Retrieval heads keep everything, streaming heads share the rest (`reserve` rows each left free)."""
     heads = [(layer, h) for layer in sorted(scores) for h in range(len(scores[layer]))]
     size = {(layer, h): scores[layer][h].numel() for layer, h in heads}
     total = sum(sum(shares[layer]) for layer in scores)
@@ -99,5 +105,5 @@ def _retrieval_heads_first(scores: dict[int, list[Tensor]], shares: dict[int, li
     each = (total - used) // max(len(streaming), 1)
     out = {layer: [0] * len(scores[layer]) for layer in scores}
     for lh in heads:
-        out[lh[0]][lh[1]] = size[lh] if lh in full else max(1, min(size[lh], each))
+        out[lh[0]][lh[1]] = size[lh] if lh in full else max(1, min(size[lh], each - reserve))
     return out
