@@ -30,7 +30,7 @@ test: setup
 # already done, nothing else is recomputed).
 BASE_METHODS := full,random,streaming-llm,h2o,snapkv,tova,knorm
 AGNOSTIC_METHODS := kvzip,kvzip-head,expected-attention,expected-attention:budget=adaptive,keydiff,q-filters,curdkv
-METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo
+METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo,streaming-llm:budget=razor
 SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --methods $(METHODS) --threads 1 --out results/longctx
 TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa-cloze
 

@@ -80,3 +80,14 @@ def test_race_runs_only_the_usable_swept_tasks(tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     assert usable_swept_tasks(path) == {("m", 1024): ["easy"]}
+
+
+def test_a_method_with_fewer_samples_is_shown_but_never_the_best():
+    recs = records(METHODS)
+    # "late" was added to the suite afterwards and has run on 10 samples so far, all answered
+    recs += [dict(r, method="late", score=1.0) for r in recs if r["method"] == "good" and r["sample"] < 10]
+    rows = summary_rows(Scores(recs), {("m", 1024): ["easy"]})
+    mean = {(r["setting"], r["method"], r["keep_ratio"]): r for r in rows if r["task"] == MEAN}
+    late, good = mean[("agnostic", "late", 0.5)], mean[("agnostic", "good", 0.5)]
+    assert late["n"] == 10 and not late["complete"] and not late["best"] and late["score"] > good["score"]
+    assert good["best"] and good["complete"]

@@ -126,7 +126,11 @@ def summary_rows(scores: Scores, usable: dict[tuple, list[str]], library: str = 
                     if not cells:
                         continue
                     ivs = {m: scores.interval(model, length, setting, m, ratio, chosen) for m in cells}
-                    best = max(cells, key=lambda m: ivs[m][0].estimate)
+                    # a method run on fewer samples than the full cache (added later, still running) is shown
+                    # with its n and compared paired, but cannot be the column's best
+                    every = set(scores.samples(model, length, setting, "full", 1.0, chosen))
+                    complete = {m for m, c in cells.items() if set(c) >= every}
+                    best = max(complete or cells, key=lambda m: ivs[m][0].estimate)
                     for m, cell in cells.items():
                         iv, n = ivs[m]
                         below = paired(cells[best], cell) if m != best else None
@@ -134,7 +138,8 @@ def summary_rows(scores: Scores, usable: dict[tuple, list[str]], library: str = 
                         rows.append(dict(
                             library=library, model=model, length=length, task=group, setting=setting, method=m,
                             keep_ratio=ratio, score=iv.estimate, lo=iv.lo, hi=iv.hi, n=n,
-                            below_best=bool(below and below.significant), best=m == best,
+                            below_best=bool(below and below.significant), best=m == best and m in complete,
+                            complete=m in complete,
                             kv_bytes=round(sum(r["kv_bytes"] for r in recs) / len(recs)),
                             kv_bytes_full=round(sum(r["kv_bytes_full"] for r in recs) / len(recs)),
                             fraction_kept=sum(r["kv_bytes"] / r["kv_bytes_full"] for r in recs) / len(recs),
@@ -148,7 +153,8 @@ def _cell_text(row: dict | None, digits: int = 2) -> str:
     text = f"{row['score']:.{digits}f} [{row['lo']:.{digits}f}, {row['hi']:.{digits}f}]"
     if row["best"]:
         return f"**{text}**"
-    return text + (" ▼" if row["below_best"] else "")
+    partial = "" if row.get("complete", True) else f" (n={row['n']})"
+    return text + partial + (" ▼" if row["below_best"] else "")
 
 
 def headline(rows: list[dict], usable: dict[tuple, list[str]], full: dict) -> list[str]:
@@ -200,7 +206,8 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
             pb = [r for k, r in p_index.items() if k[:2] == (model, length) and k[3] == ratio]
             if not kb or not pb:
                 continue
-            kb, pb = [r for r in kb if r["n"] >= RACE_MIN_SAMPLES], [r for r in pb if r["n"] >= RACE_MIN_SAMPLES]
+            kb = [r for r in kb if r["n"] >= RACE_MIN_SAMPLES and r["complete"]]  # on every sample the suite has
+            pb = [r for r in pb if r["n"] >= RACE_MIN_SAMPLES]
             if not kb or not pb:
                 continue
             kbest, pbest = max(kb, key=lambda r: r["score"]), max(pb, key=lambda r: r["score"])
@@ -370,7 +377,8 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     lines += ["", "## Headline", "",
               "Mean score over the usable tasks with its 95% bootstrap CI. **Bold**: the column's best; ▼: significantly "
-              "below the best (paired bootstrap on the same samples); no mark: not distinguishable from the best.", "",
+              "below the best (paired bootstrap on the same samples); no mark: not distinguishable from the best; "
+              "(n=k): run on k samples so far, fewer than the full cache (compared paired, never the best).", "",
               *headline(rows, usable, full)]
     for model, length in sorted(usable):
         plot = _plot(rows, model, length, out)
@@ -434,7 +442,8 @@ def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("
         "<!-- results: regenerated from results/longctx/records.jsonl (the Headline of results/longctx/report.md) -->",
         "Regenerate with `make bench` (it resumes from `results/longctx/records.jsonl`). Mean score over the tasks the",
         f"model answers with its full cache (score >= {FULL_CACHE_MIN}; RULER string match), with 95% bootstrap CIs. **Bold**:",
-        "best in its column; ▼: significantly below it (paired bootstrap, same samples). The race against kvpress, speed",
+        "best in its column; ▼: significantly below it (paired bootstrap, same samples); (n=k): run on fewer samples so far,",
+        "never the best. The race against kvpress, speed",
         "and memory, per-task scores and plots: [results/longctx/report.md](results/longctx/report.md).",
         "",
         *headline(rows, usable, full),
