@@ -90,4 +90,5 @@ def test_a_method_with_fewer_samples_is_shown_but_never_the_best():
     mean = {(r["setting"], r["method"], r["keep_ratio"]): r for r in rows if r["task"] == MEAN}
     late, good = mean[("agnostic", "late", 0.5)], mean[("agnostic", "good", 0.5)]
     assert late["n"] == 10 and not late["complete"] and not late["best"] and late["score"] > good["score"]
+    assert not late["below_best"]  # paired on its 10 samples it is not below "good", whatever the sign
     assert good["best"] and good["complete"]

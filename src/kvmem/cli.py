@@ -70,7 +70,7 @@ def demo(
     from kvmem.eval.tasks import make_samples
     from kvmem.models import load_model
 
-    methods = ["full", "streaming-llm", "h2o", "snapkv", "tova", "knorm", "random"]
+    methods = ["full", "kvzip", "expected-attention", "keydiff", "streaming-llm", "h2o", "snapkv", "tova", "knorm", "random"]
     lm = load_model(model)
     console.print(f"model [bold]{lm.name}[/bold] (fingerprint {lm.fingerprint}), keep ratio {keep_ratio}")
     for task in ("fact-single", "niah-single-number"):

@@ -138,7 +138,9 @@ def summary_rows(scores: Scores, usable: dict[tuple, list[str]], library: str = 
                         rows.append(dict(
                             library=library, model=model, length=length, task=group, setting=setting, method=m,
                             keep_ratio=ratio, score=iv.estimate, lo=iv.lo, hi=iv.hi, n=n,
-                            below_best=bool(below and below.significant), best=m == best and m in complete,
+                            below_best=bool(below and below.significant and below.estimate > 0),
+                            above_best=bool(below and below.significant and below.estimate < 0),  # a partial method
+                            best=m == best and m in complete,
                             complete=m in complete,
                             kv_bytes=round(sum(r["kv_bytes"] for r in recs) / len(recs)),
                             kv_bytes_full=round(sum(r["kv_bytes_full"] for r in recs) / len(recs)),
@@ -154,7 +156,7 @@ def _cell_text(row: dict | None, digits: int = 2) -> str:
     if row["best"]:
         return f"**{text}**"
     partial = "" if row.get("complete", True) else f" (n={row['n']})"
-    return text + partial + (" ▼" if row["below_best"] else "")
+    return text + partial + (" ▼" if row["below_best"] else " ▲" if row.get("above_best") else "")
 
 
 def headline(rows: list[dict], usable: dict[tuple, list[str]], full: dict) -> list[str]:
@@ -378,7 +380,8 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
     lines += ["", "## Headline", "",
               "Mean score over the usable tasks with its 95% bootstrap CI. **Bold**: the column's best; ▼: significantly "
               "below the best (paired bootstrap on the same samples); no mark: not distinguishable from the best; "
-              "(n=k): run on k samples so far, fewer than the full cache (compared paired, never the best).", "",
+              "(n=k): run on k samples so far, fewer than the full cache (compared paired, never the best); ▲: such a "
+              "method significantly above the best on the samples both ran.", "",
               *headline(rows, usable, full)]
     for model, length in sorted(usable):
         plot = _plot(rows, model, length, out)
@@ -443,7 +446,7 @@ def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("
         "Regenerate with `make bench` (it resumes from `results/longctx/records.jsonl`). Mean score over the tasks the",
         f"model answers with its full cache (score >= {FULL_CACHE_MIN}; RULER string match), with 95% bootstrap CIs. **Bold**:",
         "best in its column; ▼: significantly below it (paired bootstrap, same samples); (n=k): run on fewer samples so far,",
-        "never the best. The race against kvpress, speed",
+        "never the best; ▲: such a method significantly above the best on the samples both ran. The race against kvpress, speed",
         "and memory, per-task scores and plots: [results/longctx/report.md](results/longctx/report.md).",
         "",
         *headline(rows, usable, full),
