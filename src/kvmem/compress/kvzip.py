@@ -81,7 +81,11 @@ class KVzip(Method):
                 sel = (p < sink) | ((p >= c0) & (p < c1)) | (p >= new_pos[0])
                 k, p = k[sel], p[sel]
                 logits = causal_logits(queries[h * groups:(h + 1) * groups], k, p, new_pos, scaling)
-                in_chunk = (p >= c0) & (p < c1)
-                scores[idx][h, p[in_chunk].long()] = logits.softmax(dim=-1)[..., in_chunk].amax(dim=(0, 1))
+                # the chunk's keys are one contiguous run (positions increase); max softmax = exp(max(logit - lse))
+                lo = int(torch.searchsorted(p, torch.tensor(c0, dtype=p.dtype)))
+                hi = int(torch.searchsorted(p, torch.tensor(c1, dtype=p.dtype)))
+                if hi > lo:
+                    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                    scores[idx][h, p[lo:hi].long()] = (logits[..., lo:hi] - lse).amax(dim=(0, 1)).exp()
 
         replay(lm, cache, repeat, record)
