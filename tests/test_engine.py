@@ -274,3 +274,11 @@ def test_a_weighted_row_counts_as_that_many_tokens(tiny_llama, ragged):
     assert w[p == 7].item() == pytest.approx(math.log(3)) and (w[p != 7] == 0).all()  # new tokens weigh one
     with pytest.raises(KVMemError, match="already holds"):
         cache.layers[0].add_rows([(torch.zeros(16), torch.zeros(16), 0, 0.0), None])
+
+
+@pytest.mark.parametrize("spec", ["snapkv:window=0", "snapkv:kernel_size=4", "expected-attention:window=1",
+                                  "curdkv:window=-1", "q-filters:samples=0", "kvzip:chunk=0", "kvzip-head:length=3",
+                                  "keydiff:budget=nope", "knorm:foo=1", "snapkv:window=abc"])
+def test_bad_method_options_are_named_errors(spec):
+    with pytest.raises(KVMemError):
+        get_method(spec)

@@ -14,12 +14,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvmem.compress.base import HeadView, Method
+from kvmem.errors import KVMemError
 
 
 class CurDKV(Method):
     name = "curdkv"
 
     def __init__(self, window: int = 16, n_sink: int = 4, rank: int = 0, seed: int = 0):
+        if window < 0 or n_sink < 0 or rank < 0:
+            raise KVMemError(f"curdkv needs window, n_sink and rank >= 0 (0: off); got {window}, {n_sink}, {rank}")
         self.window, self.n_sink, self.rank, self.seed = window, n_sink, rank, seed
 
     def _leverage(self, rows: Tensor, head: HeadView) -> Tensor:

@@ -46,6 +46,9 @@ class ExpectedAttention(Method):
 
     def __init__(self, window: int = 64, n_future: int = 512, n_sink: int = 4, covariance: bool = True,
                  vnorm: bool = True):
+        if window < 2 or n_future < 1 or n_sink < 0:
+            raise KVMemError(f"expected-attention needs window >= 2 (a covariance), n_future >= 1 and n_sink >= 0; "
+                             f"got window={window}, n_future={n_future}, n_sink={n_sink}")
         self.window, self.n_future, self.n_sink = window, n_future, n_sink
         self.covariance, self.vnorm = covariance, vnorm
         self.observe_window = window

@@ -18,6 +18,7 @@ from kvmem.cache import KVCache
 from kvmem.compress.base import HeadView, Method, ModelContext
 from kvmem.compress.calibration import calibration_ids, load_or_fit
 from kvmem.compress.kvzip import KVzip
+from kvmem.errors import KVMemError
 
 
 class KVzipHead(Method):
@@ -26,6 +27,8 @@ class KVzipHead(Method):
     budget = "global"
 
     def __init__(self, sequences: int = 2, length: int = 2000):
+        if sequences < 1 or length < 16:
+            raise KVMemError(f"kvzip-head needs sequences >= 1 and length >= 16; got {sequences}, {length}")
         self.sequences, self.length = sequences, length
 
     def head_scores(self, lm) -> dict[str, Tensor]:

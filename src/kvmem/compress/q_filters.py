@@ -20,6 +20,7 @@ from torch import Tensor
 from kvmem.cache import KVCache
 from kvmem.compress.base import HeadView, Method, ModelContext
 from kvmem.compress.calibration import calibration_ids, load_or_fit
+from kvmem.errors import KVMemError
 
 
 class QFilters(Method):
@@ -27,6 +28,8 @@ class QFilters(Method):
     needs_model = True
 
     def __init__(self, sequences: int = 4, length: int = 1024, samples: int = 3000, seed: int = 0):
+        if min(sequences, length, samples) < 1:
+            raise KVMemError(f"q-filters needs sequences, length and samples >= 1; got {sequences}, {length}, {samples}")
         self.sequences, self.length, self.samples, self.seed = sequences, length, samples, seed
 
     def filters(self, lm) -> dict[str, Tensor]:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvmem.compress.base import HeadView, Method
+from kvmem.errors import KVMemError
 
 
 class SnapKV(Method):
@@ -19,6 +20,9 @@ class SnapKV(Method):
     observe_window = 32
 
     def __init__(self, window: int = 32, kernel_size: int = 7):
+        if window < 1 or kernel_size < 1 or kernel_size % 2 == 0:
+            raise KVMemError(f"snapkv needs window >= 1 and an odd kernel_size >= 1; got window={window}, "
+                             f"kernel_size={kernel_size}")
         self.window, self.kernel_size = window, kernel_size
         self.observe_window = window  # the cache must keep this many recent queries
 
