@@ -36,16 +36,19 @@ class BatchedLayer(CacheLayerMixin):
         self.dtype, self.device = first.dtype, first.device
         self.n = max(max(layer.lengths()) for layer in layers)
         shape = (len(layers), first.num_heads, self.n + spare)
-        self.keys = first.head_keys[0].new_zeros((*shape, first.head_keys[0].shape[-1]))
-        self.values = first.head_values[0].new_zeros((*shape, first.head_values[0].shape[-1]))
+        # written once each (rows, then zeros in the padding: masked, but 0 * garbage could be NaN)
+        self.keys = first.head_keys[0].new_empty((*shape, first.head_keys[0].shape[-1]))
+        self.values = first.head_values[0].new_empty((*shape, first.head_values[0].shape[-1]))
         self.positions = torch.full(shape, _PAD_POSITION, dtype=torch.int32, device=self.device)
         # rows standing for several tokens (compensation rows, KVLayer.log_weights): their logit offsets
         self.log_weights = torch.zeros(shape, dtype=self.dtype) if any(layer.log_weights for layer in layers) else None
         for b, layer in enumerate(layers):
             for h, (k, v, p) in enumerate(zip(layer.head_keys, layer.head_values, layer.head_positions)):
-                self.keys[b, h, :k.shape[0]], self.values[b, h, :k.shape[0]], self.positions[b, h, :k.shape[0]] = k, v, p
+                t = k.shape[0]
+                self.keys[b, h, :t], self.values[b, h, :t], self.positions[b, h, :t] = k, v, p
+                self.keys[b, h, t:], self.values[b, h, t:] = 0, 0
                 if layer.log_weights is not None:
-                    self.log_weights[b, h, :k.shape[0]] = layer.log_weights[h]
+                    self.log_weights[b, h, :t] = layer.log_weights[h]
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: dict | None = None, **_) -> tuple[Tensor, Tensor]:
         q = key_states.shape[2]

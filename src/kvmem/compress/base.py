@@ -221,23 +221,24 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
           head_scores: dict[int, Tensor] | None = None) -> None:
     """Budget and evict: each head keeps its allocated number of compressible tokens, chosen by
     `method.select`, plus every protected token."""
-    masks = {i: [h.positions < protect_from if protect_from is not None else torch.ones_like(h.positions, dtype=torch.bool)
-                 for h in heads] for i, heads in views.items()}
-    shares = {i: [max(1, math.ceil(ratios[i] * int(m.sum()))) for m in masks[i]] for i in views}
-    counts = allocate(method.budget, {i: [s[m] for s, m in zip(scores[i], masks[i])] for i in views}, shares, n_layers,
+    # positions increase along a head, so the compressible tokens (before `protect_from`) are a prefix
+    sizes = {i: [int(torch.searchsorted(h.positions, torch.tensor(protect_from, dtype=h.positions.dtype)))
+                 if protect_from is not None else h.positions.numel() for h in heads] for i, heads in views.items()}
+    shares = {i: [max(1, math.ceil(ratios[i] * n)) for n in sizes[i]] for i in views}
+    counts = allocate(method.budget, {i: [s[:n] for s, n in zip(scores[i], sizes[i])] for i in views}, shares, n_layers,
                       head_scores)
     for i, layer in layers.items():
         keep, compensation = [], []
-        for view, score, mask, n_keep in zip(views[i], scores[i], masks[i], counts[i]):
-            region = mask.nonzero().squeeze(1)
-            if n_keep >= region.numel():
+        for view, score, n, n_keep in zip(views[i], scores[i], sizes[i], counts[i]):
+            region, protected = torch.arange(n), torch.arange(n, view.positions.numel())
+            if n_keep >= n:
                 chosen = region
-            else:
-                sub = HeadView(**{**view.__dict__, "keys": view.keys[region], "values": view.values[region],
-                                  "positions": view.positions[region],
-                                  "attention": view.attention[:, region] if view.attention is not None else None})
-                chosen = region[method.select(sub, score[region], n_keep)]
-            keep.append(torch.cat([chosen, (~mask).nonzero().squeeze(1)]))
+            else:  # slices, not copies: the scorer sees the compressible prefix
+                sub = HeadView(**{**view.__dict__, "keys": view.keys[:n], "values": view.values[:n],
+                                  "positions": view.positions[:n],
+                                  "attention": view.attention[:, :n] if view.attention is not None else None})
+                chosen = method.select(sub, score[:n], n_keep)
+            keep.append(torch.cat([chosen, protected]))
             compensation.append(_compensation(view, region, chosen) if method.budget == "razor" and not layer.is_sliding
                                 else None)
         layer.keep_only(keep)
