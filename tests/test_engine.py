@@ -166,6 +166,29 @@ def test_sliding_layers_hold_only_the_window(tiny_gemma):
             assert storage_bytes(layer.kv_tensors()) == layer.num_heads * expected * head_dim * 4 * 2
 
 
+def test_sliding_keep_leaves_sliding_layers_whole(tiny_gemma):
+    """`sliding=keep` compresses only the global layers (sliding ones are bounded by their window already),
+    after the prefill and as the model runs; the default compresses every layer."""
+    from kvmem.compress import Compressor
+
+    ctx, new = random_ids(40, 9), random_ids(3, 10)
+    window = tiny_gemma.config.sliding_window
+    _, _, kept = run_with_cache(tiny_gemma, ctx, new, lambda c: compress(c, get_method("knorm:sliding=keep"), 0.25))
+    _, _, both = run_with_cache(tiny_gemma, ctx, new, lambda c: compress(c, get_method("knorm"), 0.25))
+    live = KVCache(tiny_gemma.config, compressor=Compressor(get_method("knorm:sliding=keep"), 0.25))
+    with torch.no_grad():
+        tiny_gemma(input_ids=ctx, cache=live, use_cache=True)
+    sliding = [layer.is_sliding for layer in live.layers]
+    assert any(sliding) and not all(sliding)
+    for is_sliding, a, b, c in zip(sliding, kept, both, live.layers):
+        if is_sliding:
+            assert [len(p) for p in a] == c.lengths() == [window - 1] * c.num_heads
+            assert max(len(p) for p in b) < window - 1
+        else:
+            assert [len(p) for p in a] == [len(p) for p in b] == c.lengths() == [math.ceil(0.25 * 40)] * c.num_heads
+    assert get_method("knorm:sliding=keep").spec == "knorm:sliding=keep" and get_method("knorm").spec == "knorm"
+
+
 def test_positions_continue_after_eviction(tiny_llama):
     _, cache, _ = run_with_cache(tiny_llama, random_ids(20, 7), random_ids(2, 8),
                               lambda c: compress(c, get_method("streaming-llm"), 0.3))
@@ -278,7 +301,8 @@ def test_a_weighted_row_counts_as_that_many_tokens(tiny_llama, ragged):
 
 @pytest.mark.parametrize("spec", ["snapkv:window=0", "snapkv:kernel_size=4", "expected-attention:window=1",
                                   "curdkv:window=-1", "q-filters:samples=0", "kvzip:chunk=0", "kvzip-head:length=3",
-                                  "keydiff:budget=nope", "knorm:foo=1", "snapkv:window=abc"])
+                                  "keydiff:budget=nope", "knorm:foo=1", "snapkv:window=abc", "knorm:sliding=drop",
+                                  "full:sliding=keep"])
 def test_bad_method_options_are_named_errors(spec):
     with pytest.raises(KVMemError):
         get_method(spec)

@@ -1,10 +1,12 @@
 """Compression methods, one file each, on the shared base in `base.py`; budget allocators in `budget.py`.
 
 `get_method(spec)` returns a method by its canonical name or a spec with options, e.g. `snapkv`,
-`snapkv:window=64`, `kvzip:budget=adaptive` (the same spelling the CLI, results and plots use).
+`snapkv:window=64`, `kvzip:budget=adaptive` (the same spelling the CLI, results and plots use). Every method
+also takes `sliding=keep` (sliding-window layers are left whole, their window bounds them already; the keep
+ratio then applies to the global layers, as kvpress and KVzip's reference do on Gemma-3) or `sliding=compress`.
 """
 
-from kvmem.compress.base import CompressionResult, Compressor, HeadView, Method, ModelContext, compress
+from kvmem.compress.base import SLIDING, CompressionResult, Compressor, HeadView, Method, ModelContext, compress
 from kvmem.compress.budget import BUDGETS
 from kvmem.compress.curdkv import CurDKV
 from kvmem.compress.expected_attention import ExpectedAttention
@@ -32,14 +34,16 @@ def get_method(spec: str, **options) -> Method:
     name, spec_options = parse_spec(spec, METHODS, "method")
     options = {**spec_options, **options}
     cls = METHODS[name]
-    budget = options.pop("budget", cls.budget)
+    budget, sliding = options.pop("budget", cls.budget), options.pop("sliding", cls.sliding)
     if budget not in BUDGETS:
         raise KVMemError(f"unknown budget {budget!r} in {spec!r}; choose from {', '.join(BUDGETS)}")
-    if name == "full" and budget != "uniform":
-        raise KVMemError("method 'full' keeps every token; it takes no budget")
+    if sliding not in SLIDING:
+        raise KVMemError(f"sliding={sliding!r} in {spec!r}: choose {' or '.join(SLIDING)} (what happens to sliding-window layers)")
+    if name == "full" and (budget != "uniform" or sliding != cls.sliding):
+        raise KVMemError("method 'full' keeps every token; it takes no budget or sliding option")
     check_options(name, cls, options)
     method = cls(**options)
-    method.budget, method.options = budget, options
+    method.budget, method.sliding, method.options = budget, sliding, options
     return method
 
 

@@ -68,6 +68,9 @@ class ModelContext:
     memo: dict = field(default_factory=dict)
 
 
+SLIDING = ("compress", "keep")  # a method's `sliding` option: what compression does to sliding-window layers
+
+
 class Method:
     """Base class of an eviction method. Subclasses set `name` and implement `score` (or `select`, or
     `score_cache`). Constructor arguments are the method's options (`name:option=value` in a spec)."""
@@ -77,7 +80,8 @@ class Method:
     observe_window: ClassVar[int] = 0  # how many recent queries `score` reads
     needs_model: ClassVar[bool] = False  # scores by running the model: compress() needs `context=`
     budget: str = "uniform"  # the allocator (budget.py); get_method sets it from the spec
-    options: dict = {}  # the spec's options other than budget, for `spec`
+    sliding: str = "compress"  # or "keep": sliding-window layers are left whole (SLIDING)
+    options: dict = {}  # the spec's options other than budget and sliding, for `spec`
 
     def score(self, head: HeadView) -> Tensor:
         """(T,) importance per token; the highest `n_keep` are kept."""
@@ -99,6 +103,8 @@ class Method:
     def spec(self) -> str:
         """The canonical spelling (`name:option=value:...`) used by the CLI and results."""
         extra = {} if self.budget == type(self).budget else {"budget": self.budget}
+        if self.sliding != type(self).sliding:
+            extra["sliding"] = self.sliding
         return format_spec(self.name, {**self.options, **extra})
 
     def __repr__(self) -> str:
@@ -200,6 +206,8 @@ def compress(
     """
     ratios = check_keep_ratio(keep_ratio, len(cache.layers))
     _check(method, ratios, cache.layers[0], context)
+    if method.sliding == "keep":
+        ratios = [1.0 if layer.is_sliding else r for r, layer in zip(ratios, cache.layers)]
     before = cache.kv_bytes(), sum(map(sum, cache.tokens_held()))
     layers = {i: layer for i, layer in enumerate(cache.layers) if ratios[i] < 1.0 and layer.is_initialized}
     if layers:
@@ -285,6 +293,8 @@ class Compressor:
               {layer_idx: ratio}, self.n_layers)
 
     def __call__(self, layer: KVLayer, layer_idx: int) -> None:
+        if layer.is_sliding and self.method.sliding == "keep":
+            return
         if layer_idx not in self._budget:
             _check(self.method, [self.keep_ratio], layer)
             if self.keep_ratio < 1.0:

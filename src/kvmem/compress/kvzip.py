@@ -13,7 +13,9 @@ default: one threshold over all layers and heads (the paper's non-uniform head b
 The reconstruction runs on a copy of the cache that is dropped afterwards: the cost is about one more
 prefill, paid once for a cache that is then reused (the benchmark reports it as a multiple of the
 prefill). Sliding-window layers score the tokens they hold the same way (the reference computes this
-attention without a window).
+attention without a window). The reference compresses only Gemma-3's global layers: that is
+`kvzip:sliding=keep`; by default, like every kvmem method, sliding layers are compressed too, so the keep
+ratio is a fraction of all the cache's bytes.
 """
 
 from __future__ import annotations
