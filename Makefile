@@ -55,8 +55,8 @@ bench-retrieval: setup
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first 10 samples a task.
 race: setup race-setup
-	$(KVMEM) race --presses random,streaming-llm,snapkv,tova,knorm,expected-attention,ada-expected-attention,keydiff,pyramidkv
-	$(KVMEM) race --presses kvzip,observed-attention --first 10
+	$(KVMEM) race --presses random,streaming-llm,snapkv,tova,knorm,expected-attention,ada-expected-attention,keydiff,pyramidkv --settings agnostic,aware
+	$(KVMEM) race --presses kvzip,observed-attention --first 10 --settings agnostic,aware
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 # The kvpress side of `make race`: kvpress 0.5.5 pins transformers<5.3, kvmem needs 5.24, so it gets its

@@ -70,6 +70,15 @@ def test_report_marks_significance_and_races(tmp_path):
     text = readme.read_text()
     assert "STALE" not in text and "**m @ 1024 tokens** — 1 usable tasks (easy)" in text and text.endswith("b\n")
     assert "The race against kvpress" in text and "snapkv: 0.37 [0.20, 0.53] n=30" in text and "Fidelity" not in text
+    assert "### Aware setting" not in report and "(aware;" not in text  # no kvpress records in that setting yet
+
+    (race / "records.jsonl").write_text("\n".join(json.dumps(r) for r in press))  # now both settings
+    write_report(out, race, tmp_path / "speed")
+    report = (out / "report.md").read_text()
+    aware = report[report.index("### Aware setting"):]
+    assert "| m @ 1024 | 0.5 | good: 0.80" in aware and "Fidelity: the methods both libraries have (aware;" in aware
+    update_readme(out, readme, tmp_path / "none.json", race)
+    assert "**The race against kvpress** (aware;" in readme.read_text()
 
 
 def test_race_runs_only_the_usable_swept_tasks(tmp_path):
@@ -92,3 +101,23 @@ def test_a_method_with_fewer_samples_is_shown_but_never_the_best():
     assert late["n"] == 10 and not late["complete"] and not late["best"] and late["score"] > good["score"]
     assert not late["below_best"]  # paired on its 10 samples it is not below "good", whatever the sign
     assert good["best"] and good["complete"]
+
+
+def test_race_export_puts_the_question_into_the_aware_context(tmp_path):
+    """Both libraries read the same tokens: aware = the agnostic context + the question but its last token."""
+    import pytest
+
+    from kvmem.errors import KVMemError
+    from kvmem.eval.race import export_tasks
+
+    recs = [dict(r, model="smollm2-135m", length=300, task="fact-single") for r in records(METHODS, tasks=("easy",))]
+    (tmp_path / "records.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    path = tmp_path / "tasks.jsonl"
+    assert export_tasks(tmp_path, path, samples=2, settings=("agnostic", "aware")) == 4
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for agnostic, aware in zip(lines[::2], lines[1::2]):
+        assert (agnostic["setting"], aware["setting"]) == ("agnostic", "aware") and agnostic["sample"] == aware["sample"]
+        assert aware["context_ids"] == agnostic["context_ids"] + agnostic["question_ids"][:-1]
+        assert aware["question_ids"] == agnostic["question_ids"][-1:] and aware["answers"] == agnostic["answers"]
+    with pytest.raises(KVMemError, match="unknown setting 'both'"):
+        export_tasks(tmp_path, path, samples=2, settings=("both",))

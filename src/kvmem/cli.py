@@ -191,13 +191,15 @@ def race(
     check: int = typer.Option(0, help="Instead: compare kvpress's own pipeline with the harness on N samples a model."),
     presses: Optional[str] = typer.Option(None, help="Comma-separated kvpress presses to run (default: all)."),
     first: Optional[int] = typer.Option(None, help="Run them on the first N samples of each task only."),
+    settings: str = typer.Option("agnostic", help="agnostic, aware or both (aware: the question is compressed with "
+                                                  "the context, as kvpress's query-aware evaluation does)."),
 ) -> None:
     """Race kvpress on the suite's prompts: its presses run in their own virtualenv on the same token ids, and
     their answers are scored like kvmem's. Resumable; rebuilds the suite's report with the race in it."""
     from kvmem.eval.race import race as run_race
 
     path = run_race(bench, out, venv, _csv(models) if models else None, _csv(lengths, int) if lengths else None,
-                    samples, threads, check, _csv(presses) if presses else None, first)
+                    samples, threads, check, _csv(presses) if presses else None, first, tuple(_csv(settings)))
     console.print(f"wrote {path}")
 
 

@@ -6,8 +6,9 @@ needs 5.24, so it imports nothing from kvmem and is run by path:
     .venv-race/bin/python src/kvmem/eval/kvpress_runner.py --tasks T.jsonl --out R.jsonl
     .venv-race/bin/python src/kvmem/eval/kvpress_runner.py --tasks T.jsonl --check 2 --check-out C.json
 
-Input: one sample a line, {model, model_path, length, task, sample, context_ids, question_ids, answers,
-max_new_tokens, eos_ids}. context_ids (chat head + document) is what gets compressed; question_ids follow
+Input: one sample a line, {model, model_path, length, task, sample, setting, context_ids, question_ids,
+answers, max_new_tokens, eos_ids} (setting: agnostic when absent; for aware, the exporter has put the
+question, all but its last token, into context_ids). context_ids (chat head + document) is what gets compressed; question_ids follow
 at positions continuing after the context, whatever the cache holds, as in kvpress's pipeline.
 Output: one line per (sample, method, keep ratio) appended to --out, a sample's lines once all its presses
 are done; methods a sample already has there are skipped (resumable; a later run may add other presses).
@@ -420,7 +421,7 @@ def records(tok, s: dict, jobs: list[Job]) -> list[dict]:
     full = [t for kv in jobs[0].kv for t in kv]
     return [{
         "library": "kvpress", "model": s["model"], "length": s["length"], "task": s["task"], "sample": s["sample"],
-        "setting": "agnostic", "method": job.method, "keep_ratio": job.keep_ratio,
+        "setting": s.get("setting", "agnostic"), "method": job.method, "keep_ratio": job.keep_ratio,
         "output": None if job.error else tok.decode(job.tokens), "tokens": job.tokens,
         "kv_bytes": None if job.error else tensor_bytes(t for kv in job.kv for t in kv), "kv_bytes_full": tensor_bytes(full),
         "kv_storage_bytes": None if job.error else held_bytes(t for kv in job.kv for t in kv),
@@ -527,7 +528,7 @@ def main(argv=None) -> None:
     if not a.out:
         p.error("--out is required (unless --check)")
 
-    key = lambda r: (r["model"], r["length"], r["task"], r["sample"])  # noqa: E731
+    key = lambda r: (r["model"], r["length"], r["task"], r["sample"], r.get("setting", "agnostic"))  # noqa: E731
     done = defaultdict(set)  # sample -> methods already in --out (a later run may add other presses)
     for line in open(a.out) if os.path.exists(a.out) else []:
         if line.strip():

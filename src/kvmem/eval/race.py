@@ -3,7 +3,10 @@ score its answers the way kvmem's are scored.
 
 1. `export_tasks`: the long-context suite's samples (same tasks, seed, lengths and chat-template split),
    as token ids, for the tasks the suite swept (screened-out tasks are not raced). Both libraries read
-   exactly the same tokens; `eos_ids` carry the model's end-of-turn tokens.
+   exactly the same tokens; `eos_ids` carry the model's end-of-turn tokens. Per setting: `agnostic`
+   compresses the context and then reads the question; `aware` puts the question (all but its last token)
+   into what is compressed, as kvpress's own evaluation does for query-aware runs. kvpress then compresses
+   the question's tokens too, where kvmem keeps them and budgets the context alone.
 2. `run_kvpress`: `kvpress_runner.py` under `.venv-race` (kvpress pins transformers < 5.3), one process per
    model side by side, each appending to its own raw file (resumable).
 3. `score_raw`: kvmem's `score_output` on every raw answer -> `records.jsonl` with `library="kvpress"`, the
@@ -44,9 +47,15 @@ def usable_swept_tasks(bench_records: Path) -> dict[tuple[str, int], list[str]]:
     return {k: sorted(v & set(usable.get(k, ()))) for k, v in swept.items() if v & set(usable.get(k, ()))}
 
 
+SETTINGS = ("agnostic", "aware")
+
+
 def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengths: list[int] | None = None,
-                 samples: int = 30, seed: int = 0) -> int:
-    """Write the prompts of every usable swept (model, length, task) sample to `path`; returns how many."""
+                 samples: int = 30, seed: int = 0, settings: tuple[str, ...] = ("agnostic",)) -> int:
+    """Write the prompts of every usable swept (model, length, task) sample, once per setting, to `path`;
+    returns how many lines."""
+    if bad := set(settings) - set(SETTINGS):
+        raise KVMemError(f"unknown setting {sorted(bad)[0]!r}; choose from {', '.join(SETTINGS)}")
     from kvmem.generate import end_ids
     from kvmem.models import load_model
     from kvmem.prompts import build_prompt
@@ -67,11 +76,14 @@ def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengt
                 for task in tasks:
                     for i, s in enumerate(make_samples(task, lm.tokenizer, length, samples, seed)):
                         p = build_prompt(lm.tokenizer, s.context, s.question, s.answer_prefix)
-                        f.write(json.dumps(dict(model=model, model_path=str(lm.folder), length=length, task=task,
-                                                sample=i, context_ids=p.context, question_ids=p.question,
-                                                answers=list(s.answers), max_new_tokens=s.max_new_tokens, one_line=s.one_line,
-                                                eos_ids=sorted(end_ids(lm)))) + "\n")
-                        n += 1
+                        for setting in settings:
+                            ctx, question = ((p.context, p.question) if setting == "agnostic" else
+                                             (p.context + p.question[:-1], p.question[-1:]))
+                            f.write(json.dumps(dict(model=model, model_path=str(lm.folder), length=length, task=task,
+                                                    sample=i, setting=setting, context_ids=ctx, question_ids=question,
+                                                    answers=list(s.answers), max_new_tokens=s.max_new_tokens,
+                                                    one_line=s.one_line, eos_ids=sorted(end_ids(lm)))) + "\n")
+                            n += 1
     return n
 
 
@@ -119,7 +131,8 @@ def score_raw(out: Path) -> int:
 
 def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race"), venv: Path = Path(".venv-race"),
          models: list[str] | None = None, lengths: list[int] | None = None, samples: int = 30, threads: int = 1,
-         check: int = 0, presses: list[str] | None = None, first: int | None = None) -> Path:
+         check: int = 0, presses: list[str] | None = None, first: int | None = None,
+         settings: tuple[str, ...] = ("agnostic",)) -> Path:
     """Export, run kvpress (or, with `check`, compare its pipeline with the harness on `check` samples a
     model), score, and rebuild the suite's report with the race in it. `presses` limits the presses run and
     `first` the samples per task they run on (the costly presses on a subset); records accumulate."""
@@ -127,7 +140,7 @@ def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race")
 
     out.mkdir(parents=True, exist_ok=True)
     tasks = out / f"tasks-{'-'.join(sorted(models)) if models else 'all'}.jsonl"  # runs per model side by side
-    export_tasks(bench, tasks, models, lengths, samples)
+    export_tasks(bench, tasks, models, lengths, samples, settings=settings)
     if check:
         for model in sorted({json.loads(line)["model"] for line in tasks.read_text().splitlines()}):
             subprocess.run([str(venv / "bin" / "python"), str(RUNNER), "--tasks", str(tasks), "--models", model,

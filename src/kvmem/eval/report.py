@@ -188,17 +188,17 @@ def headline(rows: list[dict], usable: dict[tuple, list[str]], full: dict) -> li
 
 
 def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, press: Scores,
-                usable: dict[tuple, list[str]], fidelity: bool = True) -> list[str]:
-    """Per model x length x keep ratio (agnostic): kvmem's best against kvpress's best, the paired
+                usable: dict[tuple, list[str]], fidelity: bool = True, setting: str = "agnostic") -> list[str]:
+    """Per model x length x keep ratio (in one setting): kvmem's best against kvpress's best, the paired
     difference, and bytes held; then the fidelity check of the methods both libraries have."""
     lines = []
     k_index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in kvmem_rows
-               if r["task"] == MEAN and r["setting"] == "agnostic"}
+               if r["task"] == MEAN and r["setting"] == setting}
     p_index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in press_rows
-               if r["task"] == MEAN and r["setting"] == "agnostic"}
+               if r["task"] == MEAN and r["setting"] == setting}
     keys = sorted({k[:2] for k in p_index})
     if not keys:
-        return ["No kvpress records yet: run `make race`.", ""]
+        return [f"No kvpress records in the {setting} setting yet: run `make race`.", ""]
     lines += ["| model @ length | keep | kvmem best | KV MiB held | kvpress best | KV MiB held | kvmem − kvpress (paired) |",
               "|---|---|---|---|---|---|---|"]
     for model, length in keys:
@@ -213,10 +213,10 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
             if not kb or not pb:
                 continue
             kbest, pbest = max(kb, key=lambda r: r["score"]), max(pb, key=lambda r: r["score"])
-            diff = paired(kvmem.samples(model, length, "agnostic", kbest["method"], ratio, tasks),
-                          press.samples(model, length, "agnostic", pbest["method"], ratio, tasks))
-            common = set(kvmem.samples(model, length, "agnostic", kbest["method"], ratio, tasks)) & set(
-                press.samples(model, length, "agnostic", pbest["method"], ratio, tasks))
+            diff = paired(kvmem.samples(model, length, setting, kbest["method"], ratio, tasks),
+                          press.samples(model, length, setting, pbest["method"], ratio, tasks))
+            common = set(kvmem.samples(model, length, setting, kbest["method"], ratio, tasks)) & set(
+                press.samples(model, length, setting, pbest["method"], ratio, tasks))
             verdict = "–" if diff is None else _fmt(diff) + f" n={len(common)}" + (
                 " (significant)" if diff.significant else " (not significant)")
             lines.append(f"| {model} @ {length} | {ratio:g} | {kbest['method']}: {_fmt(_iv(kbest))} n={kbest['n']} | "
@@ -224,7 +224,7 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
                          f"{_mib(pbest['kv_bytes'])} | {verdict} |")
     if not fidelity:
         return lines + [""]
-    lines += ["", "### Fidelity: the methods both libraries have (agnostic; paired difference kvmem − kvpress)", "",
+    lines += ["", f"### Fidelity: the methods both libraries have ({setting}; paired difference kvmem − kvpress)", "",
               "| model @ length | kvmem method | kvpress press | keep | kvmem | kvpress | difference | agree |",
               "|---|---|---|---|---|---|---|---|"]
     for model, length in keys:
@@ -232,8 +232,8 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
         for ratio in [1.0] + sorted({k[3] for k in p_index if k[:2] == (model, length) and k[3] < 1.0}, reverse=True):
             pairs = [("full", "full")] if ratio >= 1.0 else SHARED.items()
             for ours, theirs in pairs:
-                a = kvmem.samples(model, length, "agnostic", ours, ratio, tasks)
-                b = press.samples(model, length, "agnostic", theirs, ratio, tasks)
+                a = kvmem.samples(model, length, setting, ours, ratio, tasks)
+                b = press.samples(model, length, setting, theirs, ratio, tasks)
                 diff = paired(a, b)
                 if diff is None:
                     continue
@@ -243,6 +243,11 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
                              f"{_fmt(diff)} n={len(common)} | {'no' if diff.significant else 'yes'} |")
     lines.append("")
     return lines
+
+
+def _race_settings(press_rows: list[dict]) -> list[str]:
+    """The settings kvpress has records in, agnostic first (always listed: its table says when it has none)."""
+    return [s for s in SETTINGS if s == "agnostic" or any(r["setting"] == s for r in press_rows)]
 
 
 def _iv(row: dict) -> Interval:
@@ -387,13 +392,15 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
         plot = _plot(rows, model, length, out)
         if plot:
             lines += [f"![score vs KV kept, {model} @ {length}]({plot.name})", ""]
-    lines += ["## The race against kvpress (agnostic setting)", "",
+    lines += ["## The race against kvpress", "",
               "The same prompts (token ids exported once) through kvpress's presses in its own virtualenv "
               "(`make race`); outputs are scored by the same function. kvmem's best and kvpress's best per keep ratio, "
               f"with the bytes each actually holds after compression; a best is chosen among cells with at least "
               f"{RACE_MIN_SAMPLES} samples (a costly press run on a subset competes once it has them), and the paired "
-              "difference is taken on the samples both ran.", "",
-              *race_tables(rows, press_rows, kvmem, press, usable)]
+              "difference is taken on the samples both ran. In the aware setting kvpress compresses the question's "
+              "tokens with the context (its own query-aware evaluation); kvmem keeps them and budgets the context.", ""]
+    for setting in _race_settings(press_rows):
+        lines += [f"### {setting.capitalize()} setting", "", *race_tables(rows, press_rows, kvmem, press, usable, setting=setting)]
     if (race_dir / "errors.json").exists():
         errors = json.loads((race_dir / "errors.json").read_text())
         for model, presses in sorted(errors["not_runnable"].items()):
@@ -439,8 +446,10 @@ def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("
                                                               read_records(Path(race) / "records.jsonl"))
     race_lines = []
     if press_rows:
-        race_lines = ["**The race against kvpress** (agnostic; `make race`): kvmem's best against kvpress's best, "
-                      "paired on the samples both ran.", "", *race_tables(rows, press_rows, kvmem, press, usable, fidelity=False)]
+        for setting in _race_settings(press_rows):
+            race_lines += [f"**The race against kvpress** ({setting}; `make race`): kvmem's best against kvpress's best, "
+                           "paired on the samples both ran.", "",
+                           *race_tables(rows, press_rows, kvmem, press, usable, fidelity=False, setting=setting)]
     block = "\n".join([
         "<!-- results: regenerated from results/longctx/records.jsonl (the Headline of results/longctx/report.md) -->",
         "Regenerate with `make bench` (it resumes from `results/longctx/records.jsonl`). Mean score over the tasks the",
