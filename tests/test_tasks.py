@@ -36,7 +36,7 @@ def n_tokens(tokenizer, text: str) -> int:
 
 def test_task_names():
     assert set(TASKS) == {
-        "niah-single-number", "niah-single-word", "niah-single-uuid", "niah-multikey", "niah-multivalue",
+        "niah-single-number", "niah-single-noise", "niah-single-word", "niah-single-uuid", "niah-multikey", "niah-multivalue",
         "niah-multiquery", "passkey", "variable-tracking", "common-words", "qa-abstracts",
         "fact-single", "fact-distractors", "fact-profile", "two-hop", "qa-cloze",
     }
@@ -72,6 +72,9 @@ def test_needle_values(samples):
     word = samples["niah-single-word"][0]
     assert word.answers[0].isalpha() and word.answers[0].islower() and word.answers[0] not in word.question
     assert re.fullmatch(r"\d{5}", samples["passkey"][0].answers[0])
+    noise = samples["niah-single-noise"][0]  # S-NIAH-1: the same needle, in repeated noise
+    assert re.fullmatch(r"\d{7}", noise.answers[0]) and "The grass is green." in noise.context
+    assert "The grass is green." not in number.context
     assert len(set(samples["niah-multivalue"][0].answers)) == 4
     assert len(set(samples["niah-multiquery"][0].answers)) == 4
 

@@ -4,7 +4,8 @@ The synthetic tasks follow RULER (Hsieh et al. 2024, "RULER: What's the Real Con
 Long-Context Language Models?"); everything is generated offline and deterministically from a seed:
 
 - `niah-single-number` / `-word` / `-uuid`: one "special magic" needle hidden in a haystack of paper
-  abstracts; `niah-multikey` (4 keys, ask one), `niah-multivalue` (one key, 4 values, ask all),
+  abstracts (RULER's S-NIAH-2 and -3, with abstracts for essays); `niah-single-noise`: the number needle in
+  repeated noise sentences (RULER's S-NIAH-1); `niah-multikey` (4 keys, ask one), `niah-multivalue` (one key, 4 values, ask all),
   `niah-multiquery` (4 keys, ask all).
 - `passkey`: the classic pass key hidden in repeated noise ("The grass is green. ...").
 - `variable-tracking`: follow a chain of `VAR X = VAR Y.` assignments, with a distractor chain.
@@ -236,7 +237,7 @@ def _niah_preamble(kind: str) -> str:
             f"I will quiz you about the {kind} afterwards.\n\n")
 
 
-def _niah_single(task: str, label: str, value: Callable[[random.Random, str], str], max_new: int):
+def _niah_single(task: str, label: str, value: Callable[[random.Random, str], str], max_new: int, noise: bool = False):
     def generate(rng: random.Random, tokenizer, target: int) -> Sample:
         key = _key(rng)
         val = value(rng, key)
@@ -244,9 +245,9 @@ def _niah_single(task: str, label: str, value: Callable[[random.Random, str], st
         question = f"\nWhat is the special magic {label} for {key} mentioned in the provided text?"
         prefix = f" The special magic {label} for {key} mentioned in the provided text is"
         return _needle_sample(task, rng, tokenizer, target, list(zip(_depths(rng, 1), [needle])), question,
-                              prefix, [val], max_new, _niah_preamble(f"{label}s"))
+                              prefix, [val], max_new, _niah_preamble(f"{label}s"), noise=noise)
 
-    generate.__doc__ = f"RULER single needle; the value is a {label}."
+    generate.__doc__ = f"RULER single needle; the value is a {label}" + (", the haystack repeated noise." if noise else ".")
     return generate
 
 
@@ -552,6 +553,7 @@ def qa_cloze(rng: random.Random, tokenizer, target: int) -> Sample:
 
 TASKS: dict[str, Callable[[random.Random, object, int], Sample]] = {
     "niah-single-number": _niah_single("niah-single-number", "number", lambda rng, key: _number(rng), 16),
+    "niah-single-noise": _niah_single("niah-single-noise", "number", lambda rng, key: _number(rng), 16, noise=True),
     "niah-single-word": _niah_single("niah-single-word", "word", _word_value, 16),
     "niah-single-uuid": _niah_single("niah-single-uuid", "uuid", _uuid_value, 48),
     "niah-multikey": niah_multikey,
