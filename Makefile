@@ -40,7 +40,7 @@ bench: setup
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 bench-smollm2: setup
-	$(KVMEM) eval --models smollm2-135m --lengths 2048,4096 --tasks $(TASKS),niah-multikey,niah-single-word $(SUITE)
+	$(KVMEM) eval --models smollm2-135m --lengths 2048,4096 --tasks $(TASKS),niah-multikey,niah-single-word,passkey,niah-multivalue,niah-single-noise $(SUITE)
 
 bench-gemma: setup
 	$(KVMEM) eval --models gemma3-270m --lengths 4096,8192 --tasks $(TASKS) $(SUITE)

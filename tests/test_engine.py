@@ -187,6 +187,13 @@ def test_sliding_keep_leaves_sliding_layers_whole(tiny_gemma):
         else:
             assert [len(p) for p in a] == [len(p) for p in b] == c.lengths() == [math.ceil(0.25 * 40)] * c.num_heads
     assert get_method("knorm:sliding=keep").spec == "knorm:sliding=keep" and get_method("knorm").spec == "knorm"
+    # a whole-cache budget shares among the layers that are compressed (the global ones here)
+    _, _, pooled = run_with_cache(tiny_gemma, ctx, new,
+                                  lambda c: compress(c, get_method("knorm:budget=global:sliding=keep"), 0.25))
+    held = [sum(map(len, layer)) for layer, s in zip(pooled, sliding) if not s]
+    assert sum(held) == sum(math.ceil(0.25 * 40) * c.num_heads for c, s in zip(live.layers, sliding) if not s)
+    assert [len(p) for layer, s in zip(pooled, sliding) if s for p in layer] == [window - 1] * sum(
+        c.num_heads for c, s in zip(live.layers, sliding) if s)
 
 
 def test_positions_continue_after_eviction(tiny_llama):
@@ -246,8 +253,13 @@ def test_global_budget_pools_layers_and_heads():
     scores = {0: [torch.full((100,), 5.0), torch.zeros(100)], 1: [torch.ones(100), torch.zeros(100)]}
     counts = allocate("global", scores, {0: [50, 50], 1: [50, 50]}, 2)
     assert counts == {0: [100, 1], 1: [98, 1]}  # the top 200 scores, and at least one token per head
-    with pytest.raises(KVMemError, match="global"):
-        allocate("global", {0: scores[0]}, {0: [50, 50]}, 2)
+    # layers left whole (keep ratio 1, sliding=keep) are not in the pool; layer by layer is refused up front
+    assert allocate("global", {0: scores[0]}, {0: [50, 50]}, 2) == {0: [99, 1]}
+    from kvmem.compress import Compressor
+
+    for spec in ("knorm:budget=global", "knorm:budget=duo", "knorm:budget=razor"):
+        with pytest.raises(KVMemError, match="compares heads of all layers"):
+            Compressor(get_method(spec), 0.3)
 
 
 def test_duo_budget_gives_retrieval_heads_everything_and_shares_the_rest():

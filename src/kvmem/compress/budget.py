@@ -51,9 +51,6 @@ def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, lis
         return {layer: _pool(scores[layer], shares[layer], ADAPTIVE_FLOOR) for layer in scores}
     if budget == "pyramid":
         return {layer: _pyramid(shares[layer], [s.numel() for s in scores[layer]], layer, n_layers) for layer in scores}
-    if budget in WHOLE_CACHE and len(scores) != n_layers:
-        raise KVMemError(f"budget {budget!r} compares heads of every layer: compress the whole cache after the "
-                         "prefill (kvmem.compress.compress), not layer by layer as the model runs")
     if budget in PROBES:
         return _retrieval_heads_first(scores, shares, head_scores, reserve=1 if budget == "razor" else 0)
     if budget == "global":
