@@ -3,7 +3,8 @@
 Prompts go through the model's chat template (`kvmem.prompts`): the document is the compressible
 context, the question (with the end of the user turn, the generation prompt and an answer prefix) comes
 after it. For each sample the context is prefilled once into a `KVCache` that records queries and
-accumulated attention (H2O's; tracked attention is computed in the same pass, see `KVLayer.observe`);
+accumulated attention (H2O's; tracked attention is computed in the same pass, see `KVLayer.observe`, and
+only when a method run on the sample needs it);
 every (method, keep ratio) then works on a copy of that cache. Two settings, reported apart:
 
 * `agnostic`: the context is compressed before the question is seen (what a stored, reusable cache
@@ -102,9 +103,11 @@ class Prefilled:
     prefill_s: float
 
 
-def prefill_sample(lm: LoadedModel, sample, settings: tuple[str, ...] = SETTINGS, raw_prompt: bool = False) -> Prefilled:
+def prefill_sample(lm: LoadedModel, sample, settings: tuple[str, ...] = SETTINGS, raw_prompt: bool = False,
+                   track: bool = True) -> Prefilled:
+    """The sample's context prefilled once (attention tracked if `track`: h2o needs it, and it costs)."""
     prompt = build_prompt(lm.tokenizer, sample.context, sample.question, sample.answer_prefix, raw=raw_prompt)
-    base = KVCache(lm.model.config, observe_window=64, track_attention=True)
+    base = KVCache(lm.model.config, observe_window=64, track_attention=track)
     t0 = time.perf_counter()
     feed(lm, base, prompt.context)
     prefill_s = time.perf_counter() - t0
@@ -152,7 +155,8 @@ def answer_configs(lm: LoadedModel, sample, pre: Prefilled, configs: list[tuple[
 def run_sample(lm: LoadedModel, sample, methods: list[str], ratios: list[float],
                settings: tuple[str, ...] = SETTINGS, raw_prompt: bool = False) -> list[dict]:
     """Prefill one sample's context once, then answer with every (setting, method, ratio) on copies."""
-    return answer_configs(lm, sample, prefill_sample(lm, sample, settings, raw_prompt), _configs(methods, ratios))
+    track = any(get_method(m).needs_attention for m in methods)
+    return answer_configs(lm, sample, prefill_sample(lm, sample, settings, raw_prompt, track), _configs(methods, ratios))
 
 
 def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) -> list[dict]:
@@ -209,7 +213,9 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
     held: list[tuple[int, Prefilled, list[dict]]] = []  # screening samples, waiting for the decision
     for n, (i, missing) in enumerate(pending.items()):
         sweep = _configs([m for m in missing if m != "full"], cfg.ratios)[1:]
-        pre = prefill_sample(lm, samples[i], raw_prompt=cfg.raw_prompt)
+        # tracked only when a method needs it (h2o): a method added later without it gets the cheaper prefill
+        pre = prefill_sample(lm, samples[i], raw_prompt=cfg.raw_prompt,
+                             track=any(get_method(m).needs_attention for m in missing))
         if "full" not in missing:  # screened in an earlier run: only the methods added since
             write(i, answer_configs(lm, samples[i], pre, sweep))
             continue
