@@ -122,7 +122,11 @@ def score_raw(out: Path) -> int:
             if r.get("error"):
                 errors.setdefault(r["model"], {})[f"{r['method']} @ keep {r['keep_ratio']:g}"] = r["error"]
                 continue
-            r["score"] = score_output(answers[(r["model"], r["length"], r["task"], r["sample"])], r["output"])
+            key = (r["model"], r["length"], r["task"], r["sample"])
+            if key not in answers:
+                raise KVMemError(f"{raw.name} has an answer for {key} but no exported prompt in {out}/tasks*.jsonl: "
+                                 "export it again (`kvmem race` with that model and length)")
+            r["score"] = score_output(answers[key], r["output"])
             rows.append(r)
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "errors.json").write_text(json.dumps(dict(not_runnable=errors, skipped_downloads=SKIPPED_DOWNLOADS), indent=1))
@@ -139,7 +143,10 @@ def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race")
     from kvmem.eval.report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
-    tasks = out / f"tasks-{'-'.join(sorted(models)) if models else 'all'}.jsonl"  # runs per model side by side
+    # one file per (models, lengths) asked for: runs side by side never overwrite each other's prompts, which
+    # score_raw reads the answers from
+    tasks = out / (f"tasks-{'-'.join(sorted(models)) if models else 'all'}"
+                   f"-{'-'.join(map(str, sorted(lengths))) if lengths else 'all'}.jsonl")
     export_tasks(bench, tasks, models, lengths, samples, settings=settings)
     if check:
         for model in sorted({json.loads(line)["model"] for line in tasks.read_text().splitlines()}):
