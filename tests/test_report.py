@@ -121,3 +121,16 @@ def test_race_export_puts_the_question_into_the_aware_context(tmp_path):
         assert aware["question_ids"] == agnostic["question_ids"][-1:] and aware["answers"] == agnostic["answers"]
     with pytest.raises(KVMemError, match="unknown setting 'both'"):
         export_tasks(tmp_path, path, samples=2, settings=("both",))
+
+
+def test_no_significance_from_a_handful_of_samples():
+    """Six samples where one method always answers and the other never would give a zero-width bootstrap
+    interval; below PAIRED_MIN_SAMPLES the report claims no difference at all."""
+    from kvmem.eval.report import PAIRED_MIN_SAMPLES, paired
+
+    a = {("t", i): {"score": 1.0} for i in range(PAIRED_MIN_SAMPLES - 1)}
+    b = {k: {"score": 0.0} for k in a}
+    assert paired(a, b) is None
+    a[("t", 99)], b[("t", 99)] = {"score": 1.0}, {"score": 0.0}
+    assert paired(a, b).significant
+

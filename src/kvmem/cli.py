@@ -191,8 +191,9 @@ def race(
     check: int = typer.Option(0, help="Instead: compare kvpress's own pipeline with the harness on N samples a model."),
     presses: Optional[str] = typer.Option(None, help="Comma-separated kvpress presses to run (default: all)."),
     first: Optional[int] = typer.Option(None, help="Run them on the first N samples of each task only."),
-    settings: str = typer.Option("agnostic", help="agnostic, aware or both (aware: the question is compressed with "
-                                                  "the context, as kvpress's query-aware evaluation does)."),
+    settings: str = typer.Option("agnostic", help="Comma-separated settings, agnostic and/or aware (aware: the "
+                                                  "question is compressed with the context, as kvpress's query-aware "
+                                                  "evaluation does)."),
 ) -> None:
     """Race kvpress on the suite's prompts: its presses run in their own virtualenv on the same token ids, and
     their answers are scored like kvmem's. Resumable; rebuilds the suite's report with the race in it."""

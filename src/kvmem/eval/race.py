@@ -47,13 +47,12 @@ def usable_swept_tasks(bench_records: Path) -> dict[tuple[str, int], list[str]]:
     return {k: sorted(v & set(usable.get(k, ()))) for k, v in swept.items() if v & set(usable.get(k, ()))}
 
 
-SETTINGS = ("agnostic", "aware")
-
-
 def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengths: list[int] | None = None,
                  samples: int = 30, seed: int = 0, settings: tuple[str, ...] = ("agnostic",)) -> int:
     """Write the prompts of every usable swept (model, length, task) sample, once per setting, to `path`;
     returns how many lines."""
+    from kvmem.eval.report import SETTINGS
+
     if bad := set(settings) - set(SETTINGS):
         raise KVMemError(f"unknown setting {sorted(bad)[0]!r}; choose from {', '.join(SETTINGS)}")
     from kvmem.generate import end_ids

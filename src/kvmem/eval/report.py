@@ -33,6 +33,7 @@ from kvmem.eval.stats import Interval, bootstrap_mean, paired_difference  # noqa
 
 FULL_CACHE_MIN = 0.8  # a task whose full-cache score is below this measures nothing about compression
 RACE_MIN_SAMPLES = 30  # fewer answers than this (a press run on a subset so far) cannot be a race's best
+PAIRED_MIN_SAMPLES = 10  # no paired difference (no ▼/▲, no fidelity verdict) from fewer common samples
 MEAN = "mean"  # the task name of rows averaged over the usable tasks
 SETTINGS = ("agnostic", "aware")
 SHARED = {"random": "random", "streaming-llm": "streaming-llm", "snapkv": "snapkv", "tova": "tova",
@@ -86,9 +87,10 @@ class Scores:
 
 
 def paired(a: dict[tuple, dict], b: dict[tuple, dict]) -> Interval | None:
-    """Paired difference mean(a - b) on the samples both have, stratified by task."""
+    """Paired difference mean(a - b) on the samples both have, stratified by task; None below PAIRED_MIN_SAMPLES
+    (a bootstrap of a handful of 0/1 scores gives a zero-width interval: "significant" from noise)."""
     keys = sorted(set(a) & set(b))
-    if not keys:
+    if len(keys) < PAIRED_MIN_SAMPLES:
         return None
     return paired_difference([a[k]["score"] for k in keys], [b[k]["score"] for k in keys], strata=[k[0] for k in keys])
 
@@ -384,7 +386,8 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     lines += ["", "## Headline", "",
               "Mean score over the usable tasks with its 95% bootstrap CI. **Bold**: the column's best; ▼: significantly "
-              "below the best (paired bootstrap on the same samples); no mark: not distinguishable from the best; "
+              f"below the best (paired bootstrap on the same samples, at least {PAIRED_MIN_SAMPLES} of them); no mark: "
+              "not distinguishable from the best; "
               "(n=k): run on k samples so far, fewer than the full cache (compared paired, never the best); ▲: such a "
               "method significantly above the best on the samples both ran.", "",
               *headline(rows, usable, full)]
@@ -454,7 +457,7 @@ def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("
         "<!-- results: regenerated from results/longctx/records.jsonl (the Headline of results/longctx/report.md) -->",
         "Regenerate with `make bench` (it resumes from `results/longctx/records.jsonl`). Mean score over the tasks the",
         f"model answers with its full cache (score >= {FULL_CACHE_MIN}; RULER string match), with 95% bootstrap CIs. **Bold**:",
-        "best in its column; ▼: significantly below it (paired bootstrap, same samples); (n=k): run on fewer samples so far,",
+        f"best in its column; ▼: significantly below it (paired bootstrap, same samples, >= {PAIRED_MIN_SAMPLES}); (n=k): run on fewer samples so far,",
         "never the best; ▲: such a method significantly above the best on the samples both ran. The race against kvpress, speed",
         "and memory, per-task scores and plots: [results/longctx/report.md](results/longctx/report.md).",
         "",
