@@ -33,6 +33,7 @@ def test_methods_lists_compression_and_embedding_methods():
         (["generate", "--prompt", "hi", "--method", "full", "--keep-ratio", "0.5"], "'full' keeps every token"),
         (["generate", "--prompt", "hi", "--context-file", "/no/such/file.txt"], "No such file"),
         (["generate", "--prompt", "hi", "--model", "gpt-17"], "unknown model 'gpt-17'"),
+        (["generate", "--prompt", "hi", "--quant", "kivi-5"], "unknown quantization scheme 'kivi-5'"),
         (["eval", "--tasks", "niah-42"], "unknown task 'niah-42'"),
         (["eval", "--ratios", "0.5,abc"], "comma-separated list of float"),
         (["eval", "--lengths", "99999", "--tasks", "passkey"], "longer than smollm2-135m allows"),
@@ -56,6 +57,15 @@ def test_generate_reads_a_context_file(tmp_path):
     assert result.exit_code == 0, result.output
     assert "lighthouse" in result.output
     assert "KV held" in result.output
+
+
+def test_generate_with_a_quantized_cache(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Notes from the trip. " * 30 + "The meeting point is the old lighthouse. " + "We walked a lot. " * 30)
+    result = run("generate", "--context-file", str(doc), "--prompt", "Where is the meeting point? The meeting point is",
+                 "--method", "snapkv", "--keep-ratio", "0.5", "--query-aware", "--max-new-tokens", "8", "--quant", "kivi-4")
+    assert result.exit_code == 0, result.output
+    assert "lighthouse" in result.output and "quantized kivi-4" in result.output
 
 
 def test_eval_writes_results_report_and_plot(tmp_path):

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmem.cache import KVCache, masked_attention
+from kvmem.attention import grouped_attention
+from kvmem.cache import KVCache
 from kvmem.compress import ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.generate import StopRule, answer_batch, decode, feed
@@ -97,14 +98,14 @@ def test_batched_answers_equal_one_by_one(name, request):
     assert "tangerine" in lm.tokenizer.decode(batched[0])
 
 
-def test_masked_attention_equals_repeated_heads():
+def test_grouped_attention_equals_repeated_heads():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 3, 11, 8), torch.randn(2, 3, 11, 8)
     mask = torch.rand(2, 3, 5, 11) > 0.3
     mask[..., 0] = True
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                               attn_mask=mask.repeat_interleave(2, 1), scale=0.3).transpose(1, 2)
-    torch.testing.assert_close(masked_attention(q, k, v, mask, 0.3), expected)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, 0.3), expected)
 
 
 @pytest.mark.parametrize("aware", [False, True])

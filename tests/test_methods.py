@@ -237,7 +237,7 @@ def test_q_filters_are_the_signed_dominant_query_direction(smollm2, prefilled, t
     monkeypatch.setattr(calibration, "_LOADED", {})
     filters = fit_filters(smollm2, sequences=1, length=256, samples=256, seed=0)
     cache, _ = prefilled
-    q = cache.layers[7].recent_queries  # 64 post-RoPE queries of other text, per query head
+    q = cache.layers[7].observation.recent_queries  # 64 post-RoPE queries of other text, per query head
     for h in range(3):
         proj = q[h * GROUPS:(h + 1) * GROUPS] @ filters["layer.7"][h]
         assert (proj < 0).float().mean() > 0.8  # the filter points away from typical queries, as in the paper

@@ -102,23 +102,28 @@ def generate(
     query_aware: bool = typer.Option(False, help="Compress after reading the prompt too (not reusable across prompts)."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate (stops at end of line)."),
     raw_prompt: bool = typer.Option(False, help="No chat template: the context and prompt as plain text (base models)."),
+    quant: Optional[str] = typer.Option(None, help="Hold the cache quantized, e.g. kivi-2, kivi-4:group=64 (after eviction)."),
 ) -> None:
     """Read a context, compress its KV cache, answer the prompt; prints the answer and the memory held."""
     from kvmem.compress import get_method
     from kvmem.generate import answer
     from kvmem.models import load_model
+    from kvmem.quant import get_scheme
 
     m = get_method(method)  # fail on a bad name before loading anything
+    if quant:
+        get_scheme(quant)
     if not 0.0 < keep_ratio <= 1.0:
         raise KVMemError(f"keep ratio must be in (0, 1]; got {keep_ratio}")
     if m.name == "full" and keep_ratio < 1.0:
         raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
     context = context_file.read_text() if context_file else ""
     lm = load_model(model)
-    a = answer(lm, context, prompt, method, keep_ratio, query_aware, max_new_tokens, raw_prompt=raw_prompt)
+    a = answer(lm, context, prompt, method, keep_ratio, query_aware, max_new_tokens, raw_prompt=raw_prompt, quant=quant)
     console.print(a.text.strip(), highlight=False)
     console.print(f"[dim]KV held {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
-                  f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}[/dim]", highlight=False)
+                  f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}"
+                  f"{f', quantized {quant}' if quant else ''}[/dim]", highlight=False)
 
 
 @app.command("eval")
@@ -265,6 +270,13 @@ def methods_() -> None:
         opts = options(cls) + ([f"budget={cls.budget!r}"] if cls.budget != "uniform" else [])
         console.print(f"[bold]{name}[/bold]: {' '.join(doc[:3])}" + (f"  options: {', '.join(opts)}" if opts else ""),
                       highlight=False)
+    from kvmem.quant import SCHEMES
+
+    console.print("\n[bold underline]quantization[/bold underline] (kvmem generate --quant NAME[:option=value...])")
+    for name, (cls, fixed) in SCHEMES.items():
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+        opts = [o for o in options(cls) if o.split("=")[0] not in fixed]
+        console.print(f"[bold]{name}[/bold]: {doc[0] if doc else ''}  options: {', '.join(opts)}", highlight=False)
     console.print("\n[bold underline]embedding[/bold underline] (kvmem embed --method NAME[:option=value...])")
     for name, cls in EMBEDDERS.items():
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()

@@ -20,9 +20,11 @@ from kvmem.models import LoadedModel
 from kvmem.prompts import build_prompt
 
 
-def new_cache(lm: LoadedModel, method: Method) -> KVCache:
-    """A cache that records what `method` needs to score tokens (queries, accumulated attention)."""
-    return KVCache(lm.model.config, observe_window=max(64, method.observe_window), track_attention=method.needs_attention)
+def new_cache(lm: LoadedModel, method: Method, quant: str | None = None) -> KVCache:
+    """A cache that records what `method` needs to score tokens (queries, accumulated attention), holding
+    its rows quantized with `quant` (a scheme, e.g. `kivi-2`) if given."""
+    return KVCache(lm.model.config, observe_window=max(64, method.observe_window), track_attention=method.needs_attention,
+                   quant=quant)
 
 
 @torch.no_grad()
@@ -154,18 +156,20 @@ def answer(
     max_new_tokens: int = 32,
     raw_prompt: bool = False,
     answer_prefix: str = "",
+    quant: str | None = None,
 ) -> Answer:
     """Read `context`, compress its KV with `method` (a name or spec, e.g. `kvzip` or `snapkv:budget=adaptive`),
     then answer `question` (the one-call API).
 
     The prompt goes through the tokenizer's chat template (`kvmem.prompts`; `raw_prompt=True` for base
     models). query_aware=False compresses the context before the question is seen (the reusable setting);
-    True compresses after reading the question too, keeping the question's tokens.
+    True compresses after reading the question too, keeping the question's tokens. `quant` (e.g. `kivi-2`)
+    holds the cache quantized: eviction first, then what is kept is quantized.
     """
     m = get_method(method)
     prompt = build_prompt(lm.tokenizer, context, question, answer_prefix, raw=raw_prompt)
     ctx, q = prompt.context, prompt.question
-    cache = new_cache(lm, m)
+    cache = new_cache(lm, m, quant)
     if not context:  # no document (the context is the chat template's head alone): nothing to compress
         logits = feed(lm, cache, q)
         full_bytes = kept = cache.kv_bytes()

@@ -24,6 +24,7 @@ from torch import Tensor
 from kvmem.cache import KVCache, KVLayer
 from kvmem.compress.budget import BUDGETS, PROBES, WHOLE_CACHE, allocate
 from kvmem.errors import KVMemError
+from kvmem.observe import Observation
 from kvmem.spec import format_spec
 
 if TYPE_CHECKING:
@@ -120,11 +121,12 @@ def replay(lm: "LoadedModel", cache: KVCache, ids: list[int], on_layer) -> None:
 
     def hook(layer: KVLayer, idx: int) -> None:
         keys, _, positions, new_pos = layer.seen
-        on_layer(idx, layer.recent_queries[:, -len(new_pos):], keys, positions, new_pos, layer.scaling)
+        on_layer(idx, layer.observation.recent_queries[:, -len(new_pos):], keys, positions, new_pos,
+                 layer.observation.scaling)
 
     work = cache.clone()
     for layer in work.layers:
-        layer.observe_window, layer.track_attention, layer.head_attention = len(ids), False, None
+        layer.observation = Observation(len(ids))
         layer.compressor = hook
     feed(lm, work, ids)
 
@@ -159,15 +161,16 @@ def check_keep_ratio(keep_ratio: float | Sequence[float], n_layers: int) -> list
 
 
 def head_views(layer: KVLayer, layer_idx: int) -> list[HeadView]:
-    groups = layer.recent_queries.shape[0] // layer.num_heads if layer.recent_queries is not None else 0
+    seen = layer.observation
+    groups = seen.recent_queries.shape[0] // layer.num_heads if seen.recent_queries is not None else 0
     views = []
-    for h, (keys, values, positions) in enumerate(zip(layer.head_keys, layer.head_values, layer.head_positions)):
-        q = layer.recent_queries[h * groups:(h + 1) * groups] if groups else keys.new_zeros((0, 0, 0))
+    for h, (keys, values, positions) in enumerate(layer.rows.heads()):
+        q = seen.recent_queries[h * groups:(h + 1) * groups] if groups else keys.new_zeros((0, 0, 0))
         views.append(HeadView(
             layer=layer_idx, head=h, keys=keys, values=values, positions=positions, queries=q,
-            query_positions=layer.recent_positions if groups else positions[:0],
-            attention=layer.head_attention[h] if layer.head_attention is not None else None,
-            scaling=layer.scaling or 1.0 / math.sqrt(keys.shape[-1]), sliding_window=layer.sliding_window,
+            query_positions=seen.recent_positions if groups else positions[:0],
+            attention=seen.head_attention[h] if seen.head_attention is not None else None,
+            scaling=seen.scaling or 1.0 / math.sqrt(keys.shape[-1]), sliding_window=layer.sliding_window,
         ))
     return views
 
@@ -177,11 +180,12 @@ def _check(method: Method, ratios: list[float], layer: KVLayer, context: ModelCo
         raise KVMemError("method 'full' keeps every token; its keep ratio must be 1.0")
     if method.budget not in BUDGETS:
         raise KVMemError(f"unknown budget {method.budget!r}; choose from {', '.join(BUDGETS)}")
-    if method.needs_attention and not layer.track_attention:
+    seen = layer.observation
+    if method.needs_attention and not seen.track_attention:
         raise KVMemError(f"method {method.name!r} needs the cache built with track_attention=True before prefill")
-    if method.observe_window and (layer.recent_queries is None or layer.observe_window < method.observe_window):
+    if method.observe_window and (seen.recent_queries is None or seen.window < method.observe_window):
         raise KVMemError(f"method {method.spec!r} reads the last {method.observe_window} queries; the cache keeps "
-                         f"{layer.observe_window if layer.recent_queries is not None else 0} (KVCache(observe_window=...))")
+                         f"{seen.window if seen.recent_queries is not None else 0} (KVCache(observe_window=...))")
     if (method.needs_model or method.budget in PROBES) and context is None:
         why = (f"method {method.name!r} needs the model (it reruns it, or reads its RoPE or calibration)"
                if method.needs_model else f"budget {method.budget!r} needs the model (its retrieval-head probe)")
@@ -270,7 +274,8 @@ class Compressor:
     Each layer is compressed right after its attention has read the first forward (the prefill): the
     rest of that forward is unaffected, exactly as if the whole cache were compressed afterwards. With
     `every=N`, every N later forwards each layer is brought back to the size it had after that.
-    Use: `KVCache(config, compressor=Compressor(get_method("snapkv"), 0.25))`. Layer by layer, so budgets
+    Use: `KVCache(config, compressor=Compressor(get_method("snapkv"), 0.25))`; each cache works on its own
+    copy (`bind`), so one Compressor serves any number of caches. Layer by layer, so budgets
     that compare layers (`global`, `duo`) and methods that need the model (`kvzip`) are applied with `compress()`
     after the prefill instead; `model.generate` then continues from that cache.
     """
@@ -283,9 +288,15 @@ class Compressor:
             raise KVMemError(f"{what}, so it cannot compress layer by layer as the model runs: prefill, then call "
                              "kvmem.compress.compress(cache, method, ratio, context=...), then generate from the cache")
         self.method, self.keep_ratio, self.every = method, keep_ratio, every
-        self.n_layers = 0  # set by the KVCache it is given to
+        self.n_layers = 0  # set by bind()
         self._budget: dict[int, int] = {}  # layer -> max tokens per head after the prefill
         self._steps: dict[int, int] = {}
+
+    def bind(self, n_layers: int) -> "Compressor":
+        """A fresh copy for one cache of a model with `n_layers` layers (the state is per cache)."""
+        bound = Compressor(self.method, self.keep_ratio, self.every)
+        bound.n_layers = n_layers
+        return bound
 
     def _compress(self, layer: KVLayer, layer_idx: int, ratio: float) -> None:
         views = {layer_idx: head_views(layer, layer_idx)}

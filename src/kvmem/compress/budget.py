@@ -12,7 +12,8 @@ expected-attention).
 * `pyramid` (PyramidKV, Cai et al. 2024, arXiv 2406.02069): lower layers keep more, higher layers less,
   linearly; the top layer keeps share/beta, and the mean over layers is the share (the formula of the
   reference implementation, KVCache-Factory, without its observation-window term: kvmem's scorers that
-  have a window keep it through their scores).
+  have a window keep it through their scores). kvmem gives each layer one token first and shapes the
+  rest, rounded cumulatively: the layers' total never exceeds the shares, even for a few-token context.
 * `global` (KVzip, Kim et al. 2025, arXiv 2505.23416): one threshold over every head of every layer, so
   layers and heads keep what their scores earn. Needs the whole cache at once.
 * `duo` (DuoAttention, Xiao et al. 2024, arXiv 2410.10819): retrieval heads keep everything, the other
@@ -27,6 +28,8 @@ expected-attention).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -73,14 +76,23 @@ def _pool(scores: list[Tensor], shares: list[int], floor_fraction: float) -> lis
 
 
 def _pyramid(shares: list[int], sizes: list[int], layer: int, n_layers: int) -> list[int]:
+    """Per head: one token, plus the rest of the share shaped as a pyramid over the layers (top = rest/beta,
+    mean = rest), rounded cumulatively over the layers, so that every layer gets at least one token and the
+    layers together never exceed their shares, while each layer is still computed on its own."""
     out = []
     for share, size in zip(shares, sizes):
-        low = share / PYRAMID_BETA
-        high = 2 * share - low
-        if high > size:  # the bottom layer cannot keep more than it holds: the slope flattens
-            high, low = size, 2 * share - size
+        rest = share - 1
+        low = rest / PYRAMID_BETA
+        high = 2 * rest - low
+        if 1 + high > size:  # the bottom layer cannot keep more than it holds: the slope flattens
+            high, low = size - 1, 2 * rest - (size - 1)
         step = (high - low) / (n_layers - 1) if n_layers > 1 else 0.0
-        out.append(min(size, max(1, round(high - layer * step))))
+
+        def below(n: int) -> float:  # tokens of layers 0..n-1 together: sum of 1 + high - j * step
+            return n * (1 + high) - step * n * (n - 1) / 2
+
+        count = math.floor(below(layer + 1) + 1e-9) - math.floor(below(layer) + 1e-9)
+        out.append(min(size, max(1, count)))
     return out
 
 

@@ -21,22 +21,7 @@ from torch import Tensor
 from kvmem.cache import KVCache
 from kvmem.compress.base import HeadView, Method, ModelContext
 from kvmem.errors import KVMemError
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-def rope_frequencies(model, layer: int) -> Tensor:
-    """Inverse frequencies of the rotary embedding `layer` uses (transformers' rotate-half convention)."""
-    rotary = model.model.rotary_emb
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
-    freq = getattr(rotary, f"{layer_types[layer]}_inv_freq", None) if layer_types else None
-    freq = freq if freq is not None else getattr(rotary, "inv_freq", None)
-    if freq is None:
-        raise KVMemError(f"{type(model).__name__}: no rotary frequencies found; expected-attention needs RoPE")
-    return freq.float()
+from kvmem.rope import rope_frequencies, rotate_half, unrotate
 
 
 class ExpectedAttention(Method):
@@ -61,10 +46,7 @@ class ExpectedAttention(Method):
         return out
 
     def expected(self, head: HeadView, freq: Tensor, next_position: int) -> Tensor:
-        q = head.queries[:, -self.window:].float()  # (group, W, D), after RoPE at query_positions
-        angle = head.query_positions[-self.window:].float()[:, None] * freq[None]  # (W, D/2)
-        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-        q = q * cos - rotate_half(q) * sin  # back to before RoPE
+        q = unrotate(head.queries[:, -self.window:].float(), head.query_positions[-self.window:], freq)  # (group, W, D)
         mu = q.mean(dim=1)  # (group, D)
         future = torch.arange(next_position, next_position + self.n_future, dtype=torch.float32)[:, None] * freq[None]
         d = q.shape[-1]

@@ -59,7 +59,7 @@ class KVzip(Method):
     def pair_scores(self, cache: KVCache, context: ModelContext) -> list[Tensor]:
         """Per layer, (KV heads, positions) max reconstruction attention; 0 where nothing was scored."""
         lm, ids, head = context.lm, list(context.ids), context.head
-        if any(layer.compressed for layer in cache.layers) or len(ids) > cache.get_seq_length():
+        if any(layer.evicted() for layer in cache.layers) or len(ids) > cache.get_seq_length():
             raise KVMemError("kvzip scores an uncompressed cache holding `context.ids` from position 0")
         tok = lm.tokenizer
         encode = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731

@@ -50,7 +50,7 @@ def fit_filters(lm, sequences: int, length: int, samples: int, seed: int) -> dic
         cache = KVCache(lm.model.config, observe_window=length)
         feed(lm, cache, ids)
         for i, layer in enumerate(cache.layers):
-            queries.setdefault(i, []).append(layer.recent_queries.float())  # (query heads, length, D)
+            queries.setdefault(i, []).append(layer.observation.recent_queries.float())  # (query heads, length, D)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for i, qs in queries.items():

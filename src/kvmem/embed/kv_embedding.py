@@ -34,6 +34,7 @@ from torch import Tensor
 from kvmem.embed.base import LMEmbedder, check_template
 from kvmem.embed.pooling import last_token, mean_pool
 from kvmem.errors import KVMemError
+from kvmem.rope import apply_rotation
 
 TEMPLATE = 'Context: "{text}"\nCompress the context in one word:"'
 ID_CALIBRATION = 200  # abstracts used to estimate each layer's intrinsic dimension
@@ -77,10 +78,8 @@ class ReRoute:
         cos, sin = self.rope[module.layer_idx]
         cos, sin = cos.expand(B, -1, -1)[rows, self.last, None], sin.expand(B, -1, -1)[rows, self.last, None]
         k_last = key[rows, :, self.last]  # (B, Hkv, D), rotated to its own position
-        half = k_last.shape[-1] // 2
-        rotate_half = torch.cat((-k_last[..., half:], k_last[..., :half]), dim=-1)
         # undo that rotation (a rotation scaled by |cos, sin|): the key at position 0, where RoPE is the identity
-        k_prefix = (k_last * cos - rotate_half * sin) / (cos * cos + sin * sin).sqrt()
+        k_prefix = apply_rotation(k_last, cos, -sin) / (cos * cos + sin * sin).sqrt()
         keys = torch.cat((k_prefix[:, :, None], key), dim=2)
         values = torch.cat((value[rows, :, self.last][:, :, None], value), dim=2)
 

@@ -1,0 +1,93 @@
+"""What the scorers need to see of attention, recorded per layer as the model runs.
+
+* the last `window` queries (after RoPE, per query head) and their positions: SnapKV's observation
+  window, TOVA's last query, expected-attention's query statistics;
+* with `track_attention`, the attention each held row has received from every query so far (H2O). That
+  needs the attention weights, which SDPA does not return, so the layer's attention is then computed here
+  explicitly, in blocks of queries, and its output is used.
+
+`head_attention` is per row, so the layer keeps it aligned with its storage (`appended`, `kept`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvmem.attention import visible
+
+QUERY_BLOCK = 256  # queries per block when accumulating attention (bounds memory at long context)
+
+
+class Observation:
+    def __init__(self, window: int = 64, track_attention: bool = False):
+        self.window, self.track_attention = window, track_attention
+        self.recent_queries: Tensor | None = None  # (query heads, <= window, head_dim)
+        self.recent_positions: Tensor | None = None  # (<= window,)
+        self.scaling: float | None = None  # the model's attention scaling
+        self.head_attention: list[Tensor] | None = None  # per KV head (query group, T_h), with track_attention
+
+    @property
+    def active(self) -> bool:
+        return self.window > 0 or self.track_attention
+
+    def record(self, q: Tensor, new_pos: Tensor, scaling: float) -> None:
+        """Keep the last `window` of the queries seen so far (q: (query heads, new tokens, head_dim))."""
+        self.scaling = scaling
+        if self.window <= 0:
+            return
+        prev_q = self.recent_queries if self.recent_queries is not None else q[:, :0]
+        prev_p = self.recent_positions if self.recent_positions is not None else new_pos[:0]
+        self.recent_queries = torch.cat([prev_q, q[:, -self.window:]], dim=1)[:, -self.window:].clone()
+        self.recent_positions = torch.cat([prev_p, new_pos[-self.window:]])[-self.window:].clone()
+
+    def attend_and_accumulate(self, q: Tensor, scaling: float, heads: list[tuple[Tensor, Tensor, Tensor]],
+                              new_pos: Tensor, sliding_window: int | None,
+                              log_weights: list[Tensor] | None, held: list[int]) -> Tensor:
+        """Softmax attention per KV head over the rows each query block can see; returns the output
+        (1, Q, query heads, head_dim) and adds each held row's received attention to `head_attention`.
+        `heads` is what attention sees; the `held[h]` rows the head keeps afterwards are its suffix."""
+        groups = q.shape[0] // len(heads)
+        if self.head_attention is None:
+            self.head_attention = [q.new_zeros((groups, n)) for n in held]
+        out = q.new_empty((q.shape[0], q.shape[1], heads[0][1].shape[-1]))
+        for h, (k, v, kp) in enumerate(heads):  # positions increase along a head: visible keys are a range
+            acc = q.new_zeros((groups, k.shape[0]))
+            rows = slice(h * groups, (h + 1) * groups)
+            for start in range(0, q.shape[1], QUERY_BLOCK):
+                block = slice(start, start + QUERY_BLOCK)
+                qp = new_pos[block]
+                hi = int(torch.searchsorted(kp, qp.max(), right=True))
+                lo = int(torch.searchsorted(kp, qp.min() - sliding_window, right=True)) if sliding_window else 0
+                scores = torch.matmul(q[rows, block], k[lo:hi].T) * scaling
+                scores.masked_fill_(~visible(kp[None, lo:hi], qp, sliding_window)[0][None], float("-inf"))
+                if log_weights is not None:
+                    scores += log_weights[h][lo:hi]
+                weights = scores.softmax(dim=-1)
+                out[rows, block] = torch.matmul(weights, v[lo:hi])
+                acc[:, lo:hi] += weights.sum(dim=1)
+            self.head_attention[h] = self.head_attention[h] + acc[:, acc.shape[1] - held[h]:]
+        return out.transpose(0, 1)[None]
+
+    # keep head_attention aligned with the rows
+    def appended(self, n: int) -> None:
+        if self.head_attention is not None:  # new tokens start with no accumulated attention
+            self.head_attention = [torch.cat([a, a.new_zeros((a.shape[0], n))], dim=1) for a in self.head_attention]
+
+    def kept(self, indices: list[Tensor]) -> None:
+        if self.head_attention is not None:
+            self.head_attention = [a.index_select(1, i) for a, i in zip(self.head_attention, indices)]
+
+    def inserted(self, at: list[int | None]) -> None:
+        """One row with no attention yet inserted at index `at[h]` of each head (None: that head got none)."""
+        if self.head_attention is not None:
+            self.head_attention = [a if i is None else torch.cat([a[:, :i], a.new_zeros((a.shape[0], 1)), a[:, i:]], 1)
+                                   for a, i in zip(self.head_attention, at)]
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.recent_queries, self.recent_positions) if t is not None] + (self.head_attention or [])
+
+    def stop(self) -> None:
+        """Free everything and record nothing more."""
+        self.recent_queries = self.recent_positions = self.head_attention = None
+        self.window, self.track_attention = 0, False

@@ -1,0 +1,44 @@
+"""`kivi-{8,4,3,2}`: KIVI, tuning-free asymmetric quantization of the KV cache.
+
+Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache" (arXiv 2402.02750).
+Keys have outlier *channels*, so they are quantized per channel: each group is `group` tokens of one
+channel. Values have no such structure and are quantized per token: each group is `group` channels of
+one token. Both asymmetric (min-max, a scale and a zero-point per group). The newest `residual` tokens
+(R, a multiple of the group) stay in full precision, and so do older ones until they fill a group, so keys
+can be grouped along tokens. Defaults as the paper's main setting: G = 32, R = 128.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvmem.errors import KVMemError
+from kvmem.quant.base import Scheme
+from kvmem.quant.pack import Quantized, dequantize, quantize
+from kvmem.spec import format_spec
+
+
+class KIVI(Scheme):
+    def __init__(self, bits: int, group: int = 32, residual: int = 128):
+        if bits not in (8, 4, 3, 2) or group < 1 or residual < 0 or residual % group:
+            raise KVMemError(f"kivi takes 8, 4, 3 or 2 bits, a group >= 1 and a residual that is a multiple of it; "
+                             f"got {bits} bits, group {group}, residual {residual}")
+        self.bits, self.group, self.residual = bits, group, residual
+        self.name = f"kivi-{bits}"
+
+    def check(self, head_dim: int) -> None:
+        if head_dim % self.group:
+            raise KVMemError(f"{self.spec}: head_dim {head_dim} is not a multiple of the group {self.group} "
+                             f"(values are grouped along channels); choose e.g. {self.name}:group={head_dim // 2 or 1}")
+
+    def encode(self, keys: Tensor, values: Tensor) -> tuple[Quantized, Quantized]:
+        return quantize(keys, self.bits, self.group, dim=0), quantize(values, self.bits, self.group, dim=1)
+
+    def decode(self, keys: Quantized, values: Quantized) -> tuple[Tensor, Tensor]:
+        return dequantize(keys), dequantize(values)
+
+    @property
+    def spec(self) -> str:
+        return format_spec(self.name, {k: v for k, v in (("group", self.group), ("residual", self.residual))
+                                       if v != {"group": 32, "residual": 128}[k]})

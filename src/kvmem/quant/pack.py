@@ -1,0 +1,123 @@
+"""Bit-packing and asymmetric group quantization: the bytes a quantized cache really holds.
+
+`pack(codes, bits)` stores integer codes in [0, 2^bits) at `bits` bits each along the last dimension
+(8 codes in `bits` bytes, so 3-bit codes take 3/8 of a byte, not one byte); `unpack` inverts it exactly.
+
+`quantize(x, bits, group, dim)` is min-max asymmetric quantization in groups of `group` elements along
+`dim` (KIVI quantizes keys per channel: groups run along tokens; values per token: groups run along
+channels). Each group keeps a float16 scale and zero-point. `dequantize` returns x up to half a step
+per element: |x - dequantize(quantize(x))| <= scale / 2 (plus float16 rounding of scale and zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvmem.errors import KVMemError
+
+BITS = (1, 2, 3, 4, 8)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise KVMemError(f"{bits}-bit codes are not supported; choose from {', '.join(map(str, BITS))}")
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """uint8 (..., ceil(n / 8) * bits) holding the codes (..., n) at `bits` bits each (n padded to a multiple of 8)."""
+    _check_bits(bits)
+    if bits == 8:
+        return codes.to(torch.uint8)
+    n = codes.shape[-1]
+    pad = (-n) % 8
+    c = torch.nn.functional.pad(codes.to(torch.int64), (0, pad)).reshape(*codes.shape[:-1], -1, 8)
+    word = (c << (torch.arange(8, device=c.device) * bits)).sum(-1)  # 8 codes in 8 * bits <= 32 bits
+    out = (word[..., None] >> (torch.arange(bits, device=c.device) * 8)) & 0xFF
+    return out.reshape(*codes.shape[:-1], -1).to(torch.uint8)
+
+
+def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
+    """The first `n` codes (..., n) as uint8, from `pack`'s output."""
+    _check_bits(bits)
+    if bits == 8:
+        return packed[..., :n]
+    b = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, bits)
+    word = (b << (torch.arange(bits, device=b.device) * 8)).sum(-1)
+    codes = (word[..., None] >> (torch.arange(8, device=b.device) * bits)) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+
+
+@dataclass
+class Quantized:
+    """Packed codes plus one float16 scale and zero-point per group; what is held, byte for byte.
+    Codes keep x's layout (packed along its last dim); scales and zero-points are laid out with the
+    grouped dim moved last: (..., groups)."""
+
+    packed: Tensor  # uint8, x's codes packed along x's last dim
+    scale: Tensor  # float16 (..., groups)
+    zero: Tensor  # float16 (..., groups)
+    bits: int
+    group: int
+    dim: int  # the dimension of x the groups run along
+    shape: tuple[int, ...]  # x's shape
+    dtype: torch.dtype
+
+    def tensors(self) -> list[Tensor]:
+        return [self.packed, self.scale, self.zero]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def quantize(x: Tensor, bits: int, group: int, dim: int = -1) -> Quantized:
+    """Min-max asymmetric quantization of x in groups of `group` consecutive elements along `dim`
+    (x.shape[dim] must be a multiple of `group`)."""
+    _check_bits(bits)
+    dim = dim % x.dim()
+    if group < 1 or x.shape[dim] % group:
+        raise KVMemError(f"cannot quantize {x.shape[dim]} elements along dim {dim} in groups of {group}")
+    moved = x.movedim(dim, -1).float()
+    g = moved.reshape(*moved.shape[:-1], -1, group)  # (..., groups, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / ((1 << bits) - 1)).to(torch.float16)
+    zero = lo.to(torch.float16)
+    s = scale.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
+    codes = ((g - zero.float()[..., None]) / s).round_().clamp_(0, (1 << bits) - 1)
+    codes = codes.reshape(moved.shape).movedim(-1, dim)
+    return Quantized(pack(codes, bits), scale, zero, bits, group, dim, tuple(x.shape), x.dtype)
+
+
+def dequantize(q: Quantized) -> Tensor:
+    codes = unpack(q.packed, q.bits, q.shape[-1]).float().movedim(q.dim, -1)
+    x = codes.reshape(*codes.shape[:-1], -1, q.group) * q.scale.float()[..., None] + q.zero.float()[..., None]
+    return x.reshape(codes.shape).movedim(-1, q.dim).to(q.dtype)
+
+
+def concat(parts: list[Quantized], dim: int) -> Quantized:
+    """The quantized tensors joined along `dim` of x (not the packed last dim), groups kept as they are."""
+    first = parts[0]
+    dim = dim % len(first.shape)
+    if dim == len(first.shape) - 1 or any((p.bits, p.group, p.dim) != (first.bits, first.group, first.dim) for p in parts):
+        raise KVMemError("quantized parts join along a leading dim and must share bits, group and grouped dim")
+    scale_dim = -1 if dim == first.dim else (dim if dim < first.dim else dim - 1)  # in the moved layout
+    shape = list(first.shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    return Quantized(torch.cat([p.packed for p in parts], dim), torch.cat([p.scale for p in parts], scale_dim),
+                     torch.cat([p.zero for p in parts], scale_dim), first.bits, first.group, first.dim, tuple(shape),
+                     first.dtype)
+
+
+def _demo() -> None:
+    x = torch.randn(4, 64, 32)
+    for bits in BITS:
+        q = quantize(x, bits, 32, dim=1)
+        err = (dequantize(q) - x).abs().max().item()
+        print(f"{bits}-bit: {q.nbytes} bytes for {x.numel() * 4} in float32, max error {err:.3f}")
+
+
+if __name__ == "__main__":
+    _demo()

@@ -1,0 +1,187 @@
+"""Per-head row storage: what one cache layer holds for each KV head.
+
+A row is one cached token of one KV head: its key, its value and its original position. Heads may hold
+different rows (per-head budgets), so storage is per head. Every storage class keeps one contract:
+
+* `append(keys, values, positions)`: the same new tokens for every head, in place;
+* `keep(indices)`: a new storage holding exactly these rows per head (the old buffers are released);
+* `heads()`: per head, full-precision (keys, values, positions) for attention and scorers;
+* `kv_tensors()` / `position_tensors()`: what is held, for `kvmem.cache.storage_bytes`;
+* `export_rows()` and `import_rows()`: rows in a portable form (per head tensors plus the codec's
+  metadata), the unit the chunk store keeps.
+
+Two layouts, chosen by `store_rows`: `DenseRows` while all heads hold the same number of rows (one
+buffer, read by attention without a copy), `RaggedRows` once they differ (one exact buffer per head:
+evicted rows are really gone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvmem.errors import KVMemError
+
+GROW = 64  # free rows added when a buffer fills: appends stay amortized, spare capacity stays small
+
+
+@dataclass
+class ExportedRows:
+    """One layer's rows, portable: per head a dict of tensors (`keys` (T, D), `values` (T, D), `positions`
+    (T,) int32 increasing, and what the codec adds), plus the codec's name and metadata."""
+
+    heads: list[dict[str, Tensor]]
+    codec: str = "raw"  # raw: keys and values in the model's dtype
+    meta: dict = field(default_factory=dict)
+
+    def lengths(self) -> list[int]:
+        return [int(h["positions"].numel()) for h in self.heads]
+
+
+class Rows:
+    """The storage contract (see the module doc)."""
+
+    codec = "raw"
+
+    def lengths(self) -> list[int]:
+        raise NotImplementedError
+
+    def heads(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        raise NotImplementedError
+
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """Add `keys`/`values` (H, Q, D) at `positions` (Q,) to every head."""
+        raise NotImplementedError
+
+    def with_rows(self, keys: list[Tensor], values: list[Tensor], positions: list[Tensor]) -> Rows:
+        """A storage of this kind holding exactly these rows per head."""
+        return store_rows(keys, values, positions)
+
+    def keep(self, indices: list[Tensor]) -> Rows:
+        """A storage with the rows at `indices[h]` (increasing) of each head."""
+        heads = self.heads()
+        return self.with_rows([k.index_select(0, i) for (k, _, _), i in zip(heads, indices)],
+                          [v.index_select(0, i) for (_, v, _), i in zip(heads, indices)],
+                          [p.index_select(0, i) for (_, _, p), i in zip(heads, indices)])
+
+    def kv_tensors(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def position_tensors(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.lengths())
+
+    def export_rows(self) -> ExportedRows:
+        return ExportedRows([{"keys": k.clone(), "values": v.clone(), "positions": p.clone()} for k, v, p in self.heads()])
+
+
+class DenseRows(Rows):
+    """All heads equally long: keys and values in one (H, capacity, D) buffer, positions (H, capacity)."""
+
+    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, n: int):
+        self.k, self.v, self.p, self.n = keys, values, positions, n
+
+    def lengths(self) -> list[int]:
+        return [self.n] * self.k.shape[0]
+
+    def heads(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        return [(self.k[h, :self.n], self.v[h, :self.n], self.p[h, :self.n]) for h in range(self.k.shape[0])]
+
+    def live(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(H, T, D) keys and values and (H, T) positions, views of the buffers."""
+        return self.k[:, :self.n], self.v[:, :self.n], self.p[:, :self.n]
+
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        q = keys.shape[1]
+        if self.n + q > self.k.shape[1]:
+            spare = q + (GROW if self.n else 0)  # a prefill into an empty layer is stored exactly
+            k, v, p = self.live()
+            self.k = torch.cat([k, k.new_empty((k.shape[0], spare, k.shape[2]))], dim=1)
+            self.v = torch.cat([v, v.new_empty((v.shape[0], spare, v.shape[2]))], dim=1)
+            self.p = torch.cat([p, p.new_empty((p.shape[0], spare))], dim=1)
+        self.k[:, self.n:self.n + q], self.v[:, self.n:self.n + q], self.p[:, self.n:self.n + q] = keys, values, positions
+        self.n += q
+
+    def kv_tensors(self) -> list[Tensor]:
+        return [self.k, self.v]
+
+    def position_tensors(self) -> list[Tensor]:
+        return [self.p]
+
+
+class RaggedRows(Rows):
+    """Heads of different lengths: one buffer per head, sized to its rows (plus growth room once decoding)."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: list[Tensor], n: list[int]):
+        self.k, self.v, self.p, self.n = keys, values, positions, n
+
+    def lengths(self) -> list[int]:
+        return list(self.n)
+
+    def heads(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        return [(k[:n], v[:n], p[:n]) for k, v, p, n in zip(self.k, self.v, self.p, self.n)]
+
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        q = keys.shape[1]
+        for h, n in enumerate(self.n):
+            if n + q > self.k[h].shape[0]:
+                grow = lambda t: torch.cat([t[:n], t.new_empty((q + GROW, *t.shape[1:]))])  # noqa: E731
+                self.k[h], self.v[h], self.p[h] = grow(self.k[h]), grow(self.v[h]), grow(self.p[h])
+            self.k[h][n:n + q], self.v[h][n:n + q], self.p[h][n:n + q] = keys[h], values[h], positions
+            self.n[h] = n + q
+
+    def kv_tensors(self) -> list[Tensor]:
+        return [*self.k, *self.v]
+
+    def position_tensors(self) -> list[Tensor]:
+        return list(self.p)
+
+
+def empty_rows(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, value_dim: int | None = None) -> DenseRows:
+    return DenseRows(torch.empty((heads, 0, head_dim), dtype=dtype, device=device),
+                     torch.empty((heads, 0, value_dim or head_dim), dtype=dtype, device=device),
+                     torch.empty((heads, 0), dtype=torch.int32, device=device), 0)
+
+
+def store_rows(keys: list[Tensor], values: list[Tensor], positions: list[Tensor]) -> Rows:
+    """Exactly these rows per head: dense if every head holds as many, ragged otherwise."""
+    n = [k.shape[0] for k in keys]
+    if len(set(n)) == 1:
+        return DenseRows(torch.stack(keys), torch.stack(values), torch.stack(positions), n[0])
+    return RaggedRows([_own(k) for k in keys], [_own(v) for v in values], [_own(p) for p in positions], n)
+
+
+def _own(t: Tensor) -> Tensor:
+    """`t` in storage of its own size (a view would keep its whole base tensor alive)."""
+    return t if t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
+def import_rows(rows: ExportedRows, heads: int | None = None, head_dim: int | None = None,
+                dtype: torch.dtype | None = None) -> Rows:
+    """Storage for exported rows, checked first: every head's keys, values and positions agree in length,
+    positions increase, and (when given) the head count, head_dim and dtype match the layer."""
+    if rows.codec != "raw":
+        raise KVMemError(f"rows use codec {rows.codec!r}; this storage reads 'raw' rows")
+    if heads is not None and len(rows.heads) != heads:
+        raise KVMemError(f"rows for {len(rows.heads)} KV heads; this layer has {heads}")
+    for h, head in enumerate(rows.heads):
+        missing = {"keys", "values", "positions"} - set(head)
+        if missing:
+            raise KVMemError(f"head {h} of the rows lacks {sorted(missing)}")
+        k, v, p = head["keys"], head["values"], head["positions"]
+        if k.dim() != 2 or v.dim() != 2 or p.dim() != 1 or not (k.shape[0] == v.shape[0] == p.shape[0]):
+            raise KVMemError(f"head {h}: keys {tuple(k.shape)}, values {tuple(v.shape)} and positions "
+                             f"{tuple(p.shape)} do not describe the same rows")
+        if head_dim is not None and k.shape[1] != head_dim:
+            raise KVMemError(f"head {h}: keys of dim {k.shape[1]}; this layer's head_dim is {head_dim}")
+        if dtype is not None and (k.dtype != dtype or v.dtype != dtype):
+            raise KVMemError(f"head {h}: rows in {k.dtype}; this layer holds {dtype}")
+        if p.dtype != torch.int32 or (p.numel() > 1 and not bool((p[1:] > p[:-1]).all())) or (p.numel() and int(p[0]) < 0):
+            raise KVMemError(f"head {h}: positions must be int32, non-negative and increasing")
+    return store_rows([h["keys"] for h in rows.heads], [h["values"] for h in rows.heads],
+                      [h["positions"] for h in rows.heads])

@@ -1,0 +1,127 @@
+"""Bit-packing and group quantization: exact round trips, bytes held, error bounds per bit width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmem.errors import KVMemError
+from kvmem.quant.pack import BITS, concat, dequantize, pack, quantize, unpack
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from(BITS), n=st.integers(1, 70), rows=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_pack_unpack_round_trip_and_bytes(bits, n, rows, seed):
+    codes = torch.randint(0, 1 << bits, (rows, n), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape[-1] == (n if bits == 8 else -(-n // 8) * bits)  # bits/8 bytes per code, not one byte
+    assert torch.equal(unpack(packed, bits, n), codes)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dim", [0, 1])
+def test_quantization_error_is_at_most_half_a_step(bits, dim):
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(bits)) * 3
+    q = quantize(x, bits, 32, dim=dim)
+    err = (dequantize(q) - x).abs()
+    step = q.scale.float().repeat_interleave(32, dim=-1)  # per element, in the moved layout
+    step = step.movedim(-1, dim) if dim == 0 else step
+    assert (err <= step / 2 + 2e-3 * x.abs().max()).all()  # + float16 rounding of scale and zero-point
+    assert q.nbytes == x.numel() * bits // 8 + 2 * 2 * (x.numel() // 32)
+
+
+def test_group_axis_matters():
+    """Per-channel groups (along tokens) and per-token groups (along channels) are different quantizers."""
+    x = torch.randn(32, 32) + torch.linspace(-20, 20, 32)  # channels with their own offsets, as keys have
+    per_channel, per_token = dequantize(quantize(x, 2, 32, dim=0)), dequantize(quantize(x, 2, 32, dim=1))
+    assert (per_channel - x).pow(2).mean() < 0.1 * (per_token - x).pow(2).mean()
+
+
+def test_bad_quantization_requests_are_named_errors():
+    with pytest.raises(KVMemError, match="5-bit"):
+        pack(torch.zeros(8, dtype=torch.uint8), 5)
+    with pytest.raises(KVMemError, match="groups of 32"):
+        quantize(torch.zeros(4, 33), 2, 32, dim=1)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_quantized_parts_join_like_their_tensors(dim):
+    """Keys grow by blocks of tokens (grouped along tokens), values token by token (grouped along channels)."""
+    a, b = torch.randn(32, 64), torch.randn(64, 64)
+    joined = concat([quantize(a, 3, 32, dim=dim), quantize(b, 3, 32, dim=dim)], dim=0)
+    torch.testing.assert_close(dequantize(joined), torch.cat([dequantize(quantize(a, 3, 32, dim=dim)),
+                                                              dequantize(quantize(b, 3, 32, dim=dim))]))
+    assert joined.shape == (96, 64)
+
+
+# -- quantized caches ----------------------------------------------------------------------------------
+from kvmem.cache import KVCache  # noqa: E402
+from kvmem.compress import Compressor, compress, get_method  # noqa: E402
+from kvmem.quant import get_scheme  # noqa: E402
+
+
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, ids: torch.Tensor, chunks: int = 1, **cache_kwargs) -> tuple[torch.Tensor, KVCache]:
+    """Feed ids in `chunks` forwards (later chunks read what earlier ones left, quantized); all logits."""
+    cache = KVCache(model.config, **cache_kwargs)
+    with torch.no_grad():
+        logits = [model(input_ids=part, cache=cache, use_cache=True).logits for part in ids.chunk(chunks, dim=1)]
+    return torch.cat(logits, 1), cache
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_gemma"])
+def test_8_bit_cache_matches_full_precision_and_2_bit_does_not(kind, request):
+    model = request.getfixturevalue(kind)
+    ids = random_ids(96, 1)
+    full, _ = run(model, ids, chunks=6)
+    q8, _ = run(model, ids, chunks=6, quant="kivi-8:group=8:residual=8")
+    q2, _ = run(model, ids, chunks=6, quant="kivi-2:group=8:residual=0")
+    torch.testing.assert_close(q8, full, atol=2e-2, rtol=0)
+    assert (q2 - full).abs().max() > 10 * (q8 - full).abs().max()  # the bits are really dropped
+
+
+def test_bytes_held_are_the_packed_codes_scales_and_residual(tiny_llama):
+    _, cache = run(tiny_llama, random_ids(45, 2), quant="kivi-2:group=8:residual=8")
+    # per layer and KV head (2 x 2): 45 rows; the newest 8 and the 5 that do not fill a block stay in float32
+    encoded, residual, d = 32, 13, 16
+    codes = 2 * encoded * d * 2 // 8  # keys and values at 2 bits
+    scales = 2 * 2 * (encoded // 8 * d + encoded * d // 8)  # fp16 scale + zero: keys per channel, values per token
+    assert cache.kv_bytes() == 2 * 2 * (codes + scales + 2 * residual * d * 4)
+
+
+def test_quantization_composes_with_eviction_and_generate(tiny_llama):
+    ids = random_ids(80, 3)
+    _, cache = run(tiny_llama, ids, quant="kivi-4:group=8:residual=8", observe_window=32)
+    before = cache.kv_bytes()
+    compress(cache, get_method("snapkv"), 0.25)
+    assert cache.tokens_held()[0] == [20, 20] and cache.kv_bytes() < before
+    with torch.no_grad():
+        assert torch.isfinite(tiny_llama(input_ids=random_ids(3, 4), cache=cache, use_cache=True).logits).all()
+    generated = KVCache(tiny_llama.config, compressor=Compressor(get_method("knorm"), 0.5),
+                        quant="kivi-4:group=8:residual=8")
+    out = tiny_llama.generate(input_ids=ids, cache=generated, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == 84 and generated.tokens_held()[0] == [43, 43]  # 40 kept + 3 fed back
+
+
+def test_quantized_sliding_layers_keep_blocks_and_mask_what_expired(tiny_gemma):
+    """Window 8, blocks of 8: a sliding layer holds at most window - 1 visible rows plus a partly expired block."""
+    ids = random_ids(64, 5)
+    full, _ = run(tiny_gemma, ids, chunks=16)
+    q8, cache = run(tiny_gemma, ids, chunks=16, quant="kivi-8:group=8:residual=0")
+    torch.testing.assert_close(q8, full, atol=2e-2, rtol=0)
+    assert max(cache.layers[0].lengths()) < 7 + 8
+
+
+def test_bad_schemes_are_named_errors(tiny_llama):
+    with pytest.raises(KVMemError, match="unknown quantization scheme"):
+        get_scheme("kivi-5")
+    with pytest.raises(KVMemError, match="residual"):
+        get_scheme("kivi-2:residual=40")
+    with pytest.raises(KVMemError, match="head_dim 16"):
+        KVCache(tiny_llama.config, quant="kivi-2")  # groups of 32 channels in a head of 16
