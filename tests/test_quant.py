@@ -93,6 +93,8 @@ def test_bytes_held_are_the_packed_codes_scales_and_residual(tiny_llama):
     codes = 2 * encoded * d * 2 // 8  # keys and values at 2 bits
     scales = 2 * 2 * (encoded // 8 * d + encoded * d // 8)  # fp16 scale + zero: keys per channel, values per token
     assert cache.kv_bytes() == 2 * 2 * (codes + scales + 2 * residual * d * 4)
+    # every position is held: the model's own causal mask serves (no (Q, T) mask per head at long prefills)
+    assert not any(layer.compressed for layer in cache.layers)
 
 
 def test_quantization_composes_with_eviction_and_generate(tiny_llama):

@@ -65,9 +65,9 @@ class KVLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.observation = Observation(observe_window, track_attention)
-        # True once the rows are no longer what transformers' own layer would hold (evicted, or quantized:
-        # a quantized sliding layer keeps partly expired blocks), so kvmem builds the mask from positions
-        self.compressed = quant is not None
+        # True once the rows are no longer what transformers' own layer would hold (evicted, or a quantized
+        # sliding layer keeping a partly expired block), so kvmem builds the mask from positions
+        self.compressed = False
         self.next_position = 0
         self.rows: Rows | None = None
         # Per head (T_h,): log of how many tokens a row stands for, added to its attention logit. None: every row
@@ -150,7 +150,7 @@ class KVLayer(CacheLayerMixin):
         want = self.visible_range(next_position)  # exactly what an uncompressed layer would hold
         contiguous = all(p.numel() == len(want) and bool((p == torch.arange(want.start, want.stop)).all())
                          for p in self.head_positions)
-        self.compressed = not contiguous or self.log_weights is not None or self.quant is not None
+        self.compressed = not contiguous or self.log_weights is not None
         if self.quant is not None:
             self.rows = QuantizedRows.of(self.quant, self.head_keys, self.head_values, self.head_positions)
         self.observation = Observation(self.observation.window, self.observation.track_attention)
@@ -216,6 +216,8 @@ class KVLayer(CacheLayerMixin):
             return
         before = self.lengths()
         self.rows.drop_prefix(drop)  # whole encoded blocks only: nothing is re-encoded
+        if any(int(p[0]) <= cutoff for p in self.head_positions if p.numel()):
+            self.compressed = True  # expired rows stay: the mask from positions hides them
         kept = [torch.arange(b - a, b) for b, a in zip(before, self.lengths())]
         self.observation.kept(kept)
         if self.log_weights is not None:
