@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 KVMEM  := $(VENV)/bin/kvmem
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-smollm2 bench-gemma bench-speed bench-retrieval race race-setup clean
+.PHONY: setup demo test bench bench-smollm2 bench-gemma bench-speed bench-retrieval bench-quant race race-setup clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -36,7 +36,7 @@ TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa
 
 bench: setup
 	$(MAKE) -j2 bench-smollm2 bench-gemma
-	$(MAKE) bench-speed bench-retrieval
+	$(MAKE) bench-speed bench-retrieval bench-quant
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 bench-smollm2: setup
@@ -51,6 +51,17 @@ bench-speed: setup
 bench-retrieval: setup
 	$(KVMEM) eval --suite retrieval --models smollm2-135m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,kv-embedding:layers=1-7,kv-embedding:layers=20-26,kv-embedding:layers=all,minilm,tfidf --layers all --threads 1 --out results/retrieval
 	$(KVMEM) eval --suite retrieval --models gemma3-270m --methods mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none,kv-embedding:layers=1-3,kv-embedding:layers=14-16,kv-embedding:layers=all --layers all --threads 1 --out results/retrieval
+
+# Quantization (issue 9): every kvmem scheme beside transformers' QuantizedCache (quanto, fp8): Delta-ppl on 2 held-out
+# texts of 2048 tokens and decode ms per token on both models, then the task table and the eviction x quantization
+# frontier on SmolLM2's usable 2k tasks (kvzip at 0.5/0.25/0.1 crossed with TASK_SCHEMES; 10 samples a task).
+TASK_SCHEMES := kivi-4,kivi-2,kvquant-3,kvquant-2,rotatekv-2,adaquant-k4v2,cq-2,cq-1,mikv,hf-quanto-4,hf-quanto-2,hf-fp8
+QUANT_SCHEMES := kivi-8,kivi-4,kivi-3,kivi-2,kvquant-4,kvquant-3,kvquant-2,adaquant-k4v2,adaquant-k2v4,rotatekv-4,rotatekv-3,rotatekv-2,cq-2,cq-1,mikv,hf-quanto-4,hf-quanto-4-kivi,hf-quanto-2,hf-quanto-2-kivi,hf-fp8
+
+bench-quant: setup
+	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
+	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 2048 --texts 1 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
+	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(TASK_SCHEMES) --parts tasks --methods kvzip --samples 10 --threads 1 --out results/quant
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first 10 samples a task.

@@ -224,7 +224,7 @@ def test_calibration_artefacts_are_refitted_when_the_fingerprint_or_params_chang
     assert calibration.load_or_fit(other, "probe", {"n": 1}, fit)["w"].tolist() == [2.0, 2.0]
     calibration._LOADED.clear()
     assert calibration.load_or_fit(other, "probe", {"n": 2}, fit)["w"].tolist() == [3.0, 3.0]
-    calibration.artefact_path("probe", "m").write_bytes(b"corrupt")
+    calibration.artefact_path("probe", "m", {"n": 2}).write_bytes(b"corrupt")
     calibration._LOADED.clear()
     assert calibration.load_or_fit(other, "probe", {"n": 2}, fit)["w"].tolist() == [4.0, 4.0]
 

@@ -127,3 +127,38 @@ def test_bad_schemes_are_named_errors(tiny_llama):
         get_scheme("kivi-2:residual=40")
     with pytest.raises(KVMemError, match="head_dim 16"):
         KVCache(tiny_llama.config, quant="kivi-2")  # groups of 32 channels in a head of 16
+
+
+def test_quantized_rows_export_and_import_exactly_as_held(tiny_llama):
+    """The chunk store's unit: encoded rows leave and come back bit for bit (no decode, no re-encode), and a
+    layer of another scheme, or raw, refuses them by name."""
+    from kvmem.rows import ExportedRows
+
+    spec = "kivi-2:group=8:residual=8"
+    ids = random_ids(45, 6)
+    _, source = run(tiny_llama, ids, quant=spec)
+    exported = [layer.export_rows() for layer in source.layers]
+    assert exported[0].codec == spec and "k.packed" in exported[0].heads[0] and "keys" not in exported[0].heads[0]
+    target = KVCache(tiny_llama.config, quant=spec)
+    for layer, rows in zip(target.layers, exported):
+        layer.import_rows(rows)
+    assert target.kv_bytes() == source.kv_bytes()
+    for a, b in zip(source.layers, target.layers):
+        for (ka, va, pa), (kb, vb, pb) in zip(a.rows.heads(), b.rows.heads()):
+            assert torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(pa, pb)
+    nxt = random_ids(2, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_llama(input_ids=nxt, cache=target, use_cache=True).logits,
+                                   tiny_llama(input_ids=nxt, cache=source, use_cache=True).logits, atol=0, rtol=0)
+    with pytest.raises(KVMemError, match="holds raw rows"):
+        KVCache(tiny_llama.config).layers[0].import_rows(exported[0])
+    with pytest.raises(KVMemError, match="this layer holds 'kivi-4:group=8:residual=8'"):
+        KVCache(tiny_llama.config, quant="kivi-4:group=8:residual=8").layers[0].import_rows(exported[0])
+    short = ExportedRows([{**h, "positions": h["positions"][:-1]} for h in exported[0].heads], exported[0].codec,
+                         exported[0].meta)
+    with pytest.raises(KVMemError, match="do not add up"):
+        KVCache(tiny_llama.config, quant=spec).layers[0].import_rows(short)
+    forged = ExportedRows(exported[0].heads, exported[0].codec,
+                          {**exported[0].meta, "heads": [{**m, "k.__type": "os.system"} for m in exported[0].meta["heads"]]})
+    with pytest.raises(KVMemError, match="unknown type"):
+        KVCache(tiny_llama.config, quant=spec).layers[0].import_rows(forged)

@@ -83,7 +83,7 @@ def test_imported_rows_are_checked(tiny_llama):
     half = ExportedRows([{k: (t.half() if k != "positions" else t) for k, t in h.items()} for h in rows.heads])
     with pytest.raises(KVMemError, match="float16"):
         layer.import_rows(half)
-    with pytest.raises(KVMemError, match="codec"):
+    with pytest.raises(KVMemError, match="encoded as 'kivi-2'; this layer holds raw rows"):
         layer.import_rows(ExportedRows(rows.heads, codec="kivi-2"))
     with pytest.raises(KVMemError, match="next position"):
         layer.import_rows(rows, next_position=5)

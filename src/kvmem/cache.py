@@ -130,8 +130,19 @@ class KVLayer(CacheLayerMixin):
 
     def import_rows(self, rows: ExportedRows, next_position: int | None = None) -> None:
         """Replace what this layer holds with `rows` (checked against the layer). Decoding continues at
-        `next_position` (default: after the last row). Observation starts afresh."""
-        if self.is_initialized:
+        `next_position` (default: after the last row). Observation starts afresh. Rows exported encoded (a
+        quantized layer's `export_rows`) come back exactly as they were, into a layer of the same scheme."""
+        encoded = rows.codec != "raw"
+        if encoded:
+            if self.quant is None:
+                raise KVMemError(f"rows are encoded as {rows.codec!r}; this layer holds raw rows (make the cache with "
+                                 f"quant='{rows.codec}')")
+            if self.is_initialized and len(rows.heads) != self.num_heads:
+                raise KVMemError(f"rows for {len(rows.heads)} KV heads; this layer has {self.num_heads}")
+            stored = QuantizedRows.import_encoded(self.quant, rows)
+            self.dtype, self.device = stored.dtype, rows.heads[0]["positions"].device
+            self.is_initialized = True
+        elif self.is_initialized:
             stored = import_rows(rows, self.num_heads, self.head_keys[0].shape[-1] if self.num_heads else None, self.dtype)
         else:
             stored = import_rows(rows)
@@ -151,15 +162,25 @@ class KVLayer(CacheLayerMixin):
         contiguous = all(p.numel() == len(want) and bool((p == torch.arange(want.start, want.stop)).all())
                          for p in self.head_positions)
         self.compressed = not contiguous or self.log_weights is not None
-        if self.quant is not None:
-            self.rows = QuantizedRows.of(self.quant, self.head_keys, self.head_values, self.head_positions)
         self.observation = Observation(self.observation.window, self.observation.track_attention)
+        if self.quant is not None and not encoded:
+            self.quantize(self.quant)
+
+    def quantize(self, scheme: Scheme) -> None:
+        """Hold this layer's rows encoded by `scheme` (a layer's view, `Scheme.for_layer`) from now on: the rows held
+        now are encoded in blocks (the rest stays in the full-precision residual), and so are later ones."""
+        self.quant = scheme
+        if self.is_initialized:
+            self.rows = scheme.rows_of(self.head_keys, self.head_values, self.head_positions)
+            if hasattr(self.rows, "see_queries") and self.observation.recent_queries is not None:
+                self.rows.see_queries(self.observation.recent_queries)  # those observed stand in for the prefill's
+                self.rows.flush()
 
     # -- transformers' layer interface -------------------------------------------------------------
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         shape = (key_states.shape[1], key_states.shape[-1], self.dtype, self.device, value_states.shape[-1])
-        self.rows = QuantizedRows(self.quant, *shape) if self.quant else empty_rows(*shape)
+        self.rows = self.quant.new_rows(*shape) if self.quant else empty_rows(*shape)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: dict | None = None, **_) -> tuple[Tensor, Tensor]:
@@ -252,6 +273,8 @@ class KVLayer(CacheLayerMixin):
         keys, values, positions, new_pos = self.seen
         q = query[0].detach()  # (query heads, new tokens, head_dim)
         self.observation.record(q, new_pos, scaling)
+        if hasattr(self.rows, "see_queries"):  # mixed precision (quant/mikv.py) balances keys by the queries' ranges
+            self.rows.see_queries(q)
         out = None
         if self.observation.track_attention:
             out = self.observation.attend_and_accumulate(q, scaling, list(zip(keys, values, positions)), new_pos,
@@ -272,13 +295,23 @@ class KVLayer(CacheLayerMixin):
 
     def keep_only(self, indices: list[Tensor]) -> None:
         """Keep, for each head, the rows at `indices[h]` (sorted, so positions stay increasing). The kept
-        rows are copied into exactly-sized storage and the old buffers are released."""
-        self._keep([i.sort().values.to(self.device) for i in indices])
+        rows are copied into exactly-sized storage and the old buffers are released. Rows that demote instead
+        (mixed precision, quant/mikv.py) keep the others at low precision: every row stays, in order, so the
+        observation, the log-weights and the mask need no change."""
+        indices = [i.sort().values.to(self.device) for i in indices]
+        if hasattr(self.rows, "demote"):
+            self.rows.demote(indices)
+            return
+        self._keep(indices)
         self.compressed = True
 
     def add_rows(self, rows: list[tuple[Tensor, Tensor, int, float] | None]) -> None:
         """Insert one row per head (key, value, position, log-weight), or nothing where None, in position order.
-        The position must be one the head does not hold (e.g. a dropped token's); it has received no attention."""
+        The position must be one the head does not hold (e.g. a dropped token's); it has received no attention.
+        Rows that demote instead of dropping (quant/mikv.py) still hold every token a compensation row would
+        stand for, so none is added (it would count them twice)."""
+        if hasattr(self.rows, "demote"):
+            return
         weights = self.log_weights or [torch.zeros(n, dtype=self.dtype, device=self.device) for n in self.lengths()]
         out: tuple[list, ...] = ([], [], [], [])
         at_index: list[int | None] = []
@@ -320,6 +353,9 @@ class KVCache(Cache):
         n_layers = text.num_hidden_layers
         if quant is not None:
             quant.check(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+            if not quant.ready:
+                raise KVMemError(f"{quant.spec} is fitted per model: make it with kvmem.quant.get_scheme("
+                                 f"'{quant.spec}', lm) or use kvmem.new_cache(lm, ..., quant='{quant.spec}')")
         if compressor is not None:
             compressor = compressor.bind(n_layers)  # its state belongs to this cache; budgets depend on the depth
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
@@ -328,7 +364,7 @@ class KVCache(Cache):
             raise KVMemError(f"unsupported attention layer types {sorted(unknown)}")
         layers = [
             KVLayer(text.sliding_window if t == "sliding_attention" else None, observe_window, track_attention, i,
-                    compressor, quant)
+                    compressor, quant.for_layer(i) if quant is not None else None)
             for i, t in enumerate(layer_types[:n_layers])
         ]
         super().__init__(layers=layers)
@@ -344,6 +380,18 @@ class KVCache(Cache):
     def tokens_held(self) -> list[list[int]]:
         """Tokens held per layer and KV head."""
         return [layer.lengths() for layer in self.layers]
+
+    def quantize(self, scheme: str | Scheme) -> "KVCache":
+        """Hold every layer's rows quantized by `scheme` from now on (e.g. after a full-precision prefill and
+        compression: the same rows a `KVCache(quant=...)` would have encoded). Returns the cache."""
+        scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
+        if not scheme.ready:
+            raise KVMemError(f"{scheme.spec} is fitted per model: make it with kvmem.quant.get_scheme('{scheme.spec}', lm)")
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                scheme.check(layer.head_keys[0].shape[-1])
+            layer.quantize(scheme.for_layer(i))
+        return self
 
     def clone(self) -> "KVCache":
         """An independent copy (tensors copied), e.g. to try several compressions on one prefill."""

@@ -129,7 +129,7 @@ def generate(
 @app.command("eval")
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings) or speed (time and memory)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory) or quant (quantization: Δppl, decode, tasks)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's)."),
@@ -142,6 +142,9 @@ def eval_(
     layers: str = typer.Option("-1", help="retrieval: comma-separated hidden layers for the LLM embedders (-1 = last), or 'all'."),
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
     raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
+    quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
+    parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks)."),
+    texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens)."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
     retrieval: embedding methods on the offline retrieval sets (abstracts, questions).
@@ -167,12 +170,23 @@ def eval_(
         path = run_speed(cfg)
         console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
         return
+    if suite == "quant":
+        from kvmem.eval.quant import QuantConfig, default_schemes, run_quant
+
+        length = _csv(lengths, int)[0]
+        cfg = QuantConfig(models=_csv(models), schemes=_csv(quant) if quant else default_schemes(), parts=_csv(parts),
+                          length=length, texts=texts, decode_length=length, task_length=length, task_samples=samples,
+                          task_ratios=_csv(ratios, float), out=out or Path("results/quant"),
+                          **({"task_methods": _csv(methods)} if methods else {}))
+        path = run_quant(cfg, log=console.print)
+        console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
+        return
     out = out or Path("results/longctx")
     from kvmem.compress import METHODS
     from kvmem.eval.longctx import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
-        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed")
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant")
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),

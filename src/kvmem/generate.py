@@ -18,13 +18,14 @@ from kvmem.compress import Method, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.models import LoadedModel
 from kvmem.prompts import build_prompt
+from kvmem.quant import get_scheme
 
 
 def new_cache(lm: LoadedModel, method: Method, quant: str | None = None) -> KVCache:
     """A cache that records what `method` needs to score tokens (queries, accumulated attention), holding
-    its rows quantized with `quant` (a scheme, e.g. `kivi-2`) if given."""
+    its rows quantized with `quant` (a scheme, e.g. `kivi-2`, prepared for this model) if given."""
     return KVCache(lm.model.config, observe_window=max(64, method.observe_window), track_attention=method.needs_attention,
-                   quant=quant)
+                   quant=get_scheme(quant, lm) if isinstance(quant, str) else quant)
 
 
 @torch.no_grad()

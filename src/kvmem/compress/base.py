@@ -310,10 +310,18 @@ class Compressor:
             _check(self.method, [self.keep_ratio], layer)
             if self.keep_ratio < 1.0:
                 self._compress(layer, layer_idx, self.keep_ratio)
-            self._budget[layer_idx], self._steps[layer_idx] = max(layer.lengths()), 0
+            self._budget[layer_idx], self._steps[layer_idx] = _budgeted_rows(layer), 0
             return
         self._steps[layer_idx] += 1
         if self.every and self._steps[layer_idx] % self.every == 0:
-            ratio = self._budget[layer_idx] / max(layer.lengths())
+            ratio = self._budget[layer_idx] / max(layer.lengths())  # select the budget among every row held
             if ratio < 1.0:
                 self._compress(layer, layer_idx, ratio)
+
+
+def _budgeted_rows(layer: KVLayer) -> int:
+    """The most rows a head of `layer` holds that count against the budget: all of them, or, where evicted rows
+    are demoted instead (mixed precision, quant/mikv.py), the high-precision ones."""
+    if hasattr(layer.rows, "split"):
+        return max((len(high) for high, _ in layer.rows.split()), default=0)
+    return max(layer.lengths())

@@ -8,7 +8,9 @@ when either differs, so filters fitted for other weights or settings are never u
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 from typing import Callable
 
@@ -22,10 +24,13 @@ from kvmem.errors import KVMemError
 _LOADED: dict[tuple, dict[str, Tensor]] = {}  # in-process: each artefact is read once
 
 
-def artefact_path(name: str, model_name: str):
+def artefact_path(name: str, model_name: str, params: dict | None = None):
+    """Where an artefact is cached: by method, model and (a short hash of) the fitting parameters, so artefacts of
+    different settings live side by side instead of refitting each other."""
     from kvmem.models import cache_dir
 
-    return cache_dir() / "calibration" / f"{name}--{model_name.replace('/', '_')}.safetensors"
+    tag = "" if params is None else "--" + hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    return cache_dir() / "calibration" / f"{name}--{model_name.replace('/', '_')}{tag}.safetensors"
 
 
 def load_or_fit(lm, name: str, params: dict, fit: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -34,7 +39,7 @@ def load_or_fit(lm, name: str, params: dict, fit: Callable[[], dict[str, Tensor]
     key = (name, lm.fingerprint, json.dumps(params, sort_keys=True))
     if key in _LOADED:
         return _LOADED[key]
-    path = artefact_path(name, lm.name)
+    path = artefact_path(name, lm.name, params)
     meta = {"fingerprint": lm.fingerprint, "params": key[2]}
     tensors = None
     if path.exists():
@@ -50,7 +55,7 @@ def load_or_fit(lm, name: str, params: dict, fit: Callable[[], dict[str, Tensor]
         if not all(torch.isfinite(v).all() for v in tensors.values()):
             raise KVMemError(f"calibration of {name} for {lm.name} produced non-finite values")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes fitting side by side never share a temporary
         save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(path)
     _LOADED[key] = tensors

@@ -15,32 +15,72 @@ expired block stay and the position mask hides them, so nothing is re-encoded as
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
-from kvmem.quant.pack import Quantized, concat
 from kvmem.rows import ExportedRows, Rows
 
 
+class Encoded(Protocol):
+    """One head's encoded rows (keys or values) as a scheme returns them: `Quantized` (pack.py) or a scheme's
+    own composite (e.g. codes plus sparse outliers). Rows run along the first dimension of what it encodes."""
+
+    @property
+    def rows(self) -> int: ...
+
+    def tensors(self) -> list[Tensor]: ...  # what is held, byte for byte
+
+    def cat(self, later: Encoded) -> Encoded: ...  # these rows, then `later`'s
+
+    def drop(self, n: int) -> Encoded: ...  # rows n: (n a multiple of the scheme's group)
+
+
 class Scheme:
-    """How one head's blocks of `group` tokens are encoded; subclasses implement `encode` and `decode`."""
+    """How one head's blocks of `group` tokens are encoded; subclasses implement `encode` and `decode`.
+
+    A scheme fitted per model (`calibrated = True`: datatypes, codebooks, thresholds learned offline) is made
+    usable by `prepare(lm)`, which loads or fits its artefacts; `for_layer(i)` gives the view one layer uses
+    (its own datatype, codebook or RoPE frequencies). `encode` and `decode` get the KV head and the rows'
+    original positions, so a scheme may fit per head and quantize keys before RoPE."""
 
     name: ClassVar[str]
-    bits: int
+    calibrated: ClassVar[bool] = False
+    bits: float  # average bits per stored element, codes only (scales, zero-points and outliers add to it)
     group: int
     residual: int = 0  # the newest rows kept in full precision beyond the incomplete block (KIVI's R)
 
     def check(self, head_dim: int) -> None:
         """Raise a KVMemError if the scheme cannot hold heads of this size."""
 
-    def encode(self, keys: Tensor, values: Tensor) -> tuple[Quantized, Quantized]:
-        """keys, values (n, D) with n a multiple of `group` -> their quantized forms (joinable along rows)."""
+    def prepare(self, lm) -> Scheme:
+        """This scheme made ready for `lm` (fitted artefacts loaded or fitted, once, cached on disk)."""
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def for_layer(self, layer: int) -> Scheme:
+        return self
+
+    def new_rows(self, heads: int, head_dim: int, dtype: torch.dtype, device, value_dim: int | None = None) -> Rows:
+        """Empty storage for one layer's rows held by this scheme (a scheme with its own layout overrides it)."""
+        return QuantizedRows(self, heads, head_dim, dtype, device, value_dim)
+
+    def rows_of(self, keys: list[Tensor], values: list[Tensor], positions: list[Tensor]) -> Rows:
+        """Storage holding these rows per head (`KVLayer.import_rows`)."""
+        return QuantizedRows.of(self, keys, values, positions)
+
+    def encode(self, keys: Tensor, values: Tensor, positions: Tensor, head: int) -> tuple[Encoded, Encoded]:
+        """KV head `head`'s keys, values (n, D) with n a multiple of `group`, at `positions` (n,) -> their
+        encoded forms."""
         raise NotImplementedError
 
-    def decode(self, keys: Quantized, values: Quantized) -> tuple[Tensor, Tensor]:
+    def decode(self, keys: Encoded, values: Encoded, positions: Tensor, head: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
     @property
@@ -53,8 +93,8 @@ class QuantizedRows(Rows):
         self.scheme, self.dtype = scheme, dtype
         self.codec = scheme.spec
         empty = lambda d: torch.empty((0, d), dtype=dtype, device=device)  # noqa: E731
-        self.qk: list[Quantized | None] = [None] * heads  # encoded rows, oldest first
-        self.qv: list[Quantized | None] = [None] * heads
+        self.qk: list[Encoded | None] = [None] * heads  # encoded rows, oldest first
+        self.qv: list[Encoded | None] = [None] * heads
         self.rk = [empty(head_dim) for _ in range(heads)]  # residual rows, full precision, newest last
         self.rv = [empty(value_dim or head_dim) for _ in range(heads)]
         self.p = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(heads)]  # every row's position
@@ -75,11 +115,11 @@ class QuantizedRows(Rows):
 
     def heads(self) -> list[tuple[Tensor, Tensor, Tensor]]:
         out = []
-        for qk, qv, rk, rv, p in zip(self.qk, self.qv, self.rk, self.rv, self.p):
+        for h, (qk, qv, rk, rv, p) in enumerate(zip(self.qk, self.qv, self.rk, self.rv, self.p)):
             if qk is None:
                 out.append((rk, rv, p))
                 continue
-            k, v = self.scheme.decode(qk, qv)
+            k, v = self.scheme.decode(qk, qv, p[:qk.rows], h)
             out.append((torch.cat([k, rk]), torch.cat([v, rv]), p))
         return out
 
@@ -96,9 +136,10 @@ class QuantizedRows(Rows):
             n = max(rk.shape[0] - self.scheme.residual, 0) // g * g
             if not n:
                 continue
-            k, v = self.scheme.encode(rk[:n], rv[:n])
-            self.qk[h] = k if self.qk[h] is None else concat([self.qk[h], k], 0)
-            self.qv[h] = v if self.qv[h] is None else concat([self.qv[h], v], 0)
+            done = self.qk[h].rows if self.qk[h] is not None else 0
+            k, v = self.scheme.encode(rk[:n], rv[:n], self.p[h][done:done + n], h)
+            self.qk[h] = k if self.qk[h] is None else self.qk[h].cat(k)
+            self.qv[h] = v if self.qv[h] is None else self.qv[h].cat(v)
             self.rk[h], self.rv[h] = rk[n:].clone(), rv[n:].clone()
 
     def keep(self, indices: list[Tensor]) -> QuantizedRows:
@@ -112,12 +153,12 @@ class QuantizedRows(Rows):
         stay (their positions let the mask hide them)."""
         g = self.scheme.group
         for h, n in enumerate(counts):
-            encoded = self.qk[h].shape[0] if self.qk[h] is not None else 0
+            encoded = self.qk[h].rows if self.qk[h] is not None else 0
             blocks = min(n, encoded) // g * g
             if not blocks:
                 continue
-            self.qk[h] = _slice_rows(self.qk[h], blocks) if blocks < encoded else None
-            self.qv[h] = _slice_rows(self.qv[h], blocks) if blocks < encoded else None
+            self.qk[h] = self.qk[h].drop(blocks) if blocks < encoded else None
+            self.qv[h] = self.qv[h].drop(blocks) if blocks < encoded else None
             self.p[h] = self.p[h][blocks:].clone()
 
     def kv_tensors(self) -> list[Tensor]:
@@ -128,13 +169,97 @@ class QuantizedRows(Rows):
         return list(self.p)
 
     def export_rows(self) -> ExportedRows:
-        raise KVMemError(f"rows held as {self.codec} cannot be exported yet (the chunk store's quant codec comes "
-                         "with it); decode them with a raw cache instead")
+        """The rows as held, not decoded: per head the encoded tensors (`k.*`, `v.*`), the full-precision residual
+        and the positions; the codec is the scheme's spec, and what is not a tensor (bit widths, shapes, the
+        encoded types) goes into `meta`. `import_encoded` rebuilds exactly these rows."""
+        heads, head_meta = [], []
+        for qk, qv, rk, rv, p in zip(self.qk, self.qv, self.rk, self.rv, self.p):
+            tensors = {"positions": p.clone(), "residual_keys": rk.clone(), "residual_values": rv.clone()}
+            meta: dict = {}
+            for prefix, q in (("k", qk), ("v", qv)):
+                if q is not None:
+                    _flatten(q, prefix, tensors, meta)
+            heads.append(tensors)
+            head_meta.append(meta)
+        return ExportedRows(heads, codec=self.codec, meta={"format": EXPORT_FORMAT, "dtype": str(self.dtype).split(".")[-1],
+                                                           "heads": head_meta})
+
+    @classmethod
+    def import_encoded(cls, scheme: Scheme, rows: ExportedRows) -> QuantizedRows:
+        """Rows exported by `export_rows` from a cache of the same scheme, checked (codec, format, types, lengths)."""
+        if rows.codec != scheme.spec:
+            raise KVMemError(f"rows are encoded as {rows.codec!r}; this layer holds {scheme.spec!r}")
+        if rows.meta.get("format") != EXPORT_FORMAT or len(rows.meta.get("heads", ())) != len(rows.heads):
+            raise KVMemError(f"encoded rows of an unknown format {rows.meta.get('format')!r} or without per-head metadata")
+        dtype = getattr(torch, str(rows.meta.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise KVMemError(f"encoded rows name an unknown dtype {rows.meta.get('dtype')!r}")
+        first = rows.heads[0]
+        out = cls(scheme, len(rows.heads), first["residual_keys"].shape[-1], dtype, first["positions"].device,
+                  first["residual_values"].shape[-1])
+        for h, (tensors, meta) in enumerate(zip(rows.heads, rows.meta["heads"])):
+            qk, qv = (_unflatten(prefix, tensors, meta) if f"{prefix}.__type" in meta else None for prefix in ("k", "v"))
+            p = tensors["positions"]
+            if p.dtype != torch.int32 or p.dim() != 1 or (p.numel() > 1 and not bool((p[1:] > p[:-1]).all())):
+                raise KVMemError(f"head {h}: positions must be int32 and increasing")
+            n = p.numel()
+            encoded = qk.rows if qk is not None else 0
+            if (qv.rows if qv is not None else 0) != encoded or encoded + tensors["residual_keys"].shape[0] != n \
+                    or tensors["residual_values"].shape[0] != n - encoded:
+                raise KVMemError(f"head {h}: encoded and residual rows do not add up to its {n} positions")
+            out.qk[h], out.qv[h] = qk, qv
+            out.rk[h], out.rv[h], out.p[h] = tensors["residual_keys"], tensors["residual_values"], tensors["positions"]
+        return out
 
 
-def _slice_rows(q: Quantized, start: int) -> Quantized:
-    """Rows `start:` of a quantized (T, D) tensor; `start` a multiple of the group when groups run along rows."""
-    scale_rows = (slice(None), slice(start // q.group, None)) if q.dim == 0 else (slice(start, None),)
-    shape = (q.shape[0] - start, *q.shape[1:])
-    return Quantized(q.packed[start:].clone(), q.scale[scale_rows].clone(), q.zero[scale_rows].clone(), q.bits,
-                     q.group, q.dim, shape, q.dtype)
+EXPORT_FORMAT = 1
+
+
+def _encoded_types() -> dict[str, type]:
+    """The encoded row types an export may name (only these are ever rebuilt from stored metadata)."""
+    from kvmem.quant.cq import Codes
+    from kvmem.quant.kvquant import SparseCoded
+    from kvmem.quant.pack import Quantized
+    from kvmem.quant.rotatekv import WithSinks
+
+    return {t.__name__: t for t in (Quantized, SparseCoded, WithSinks, Codes)}
+
+
+def _flatten(obj, prefix: str, tensors: dict, meta: dict) -> None:
+    """A dataclass of encoded rows as named tensors plus JSON-able metadata (nested dataclasses too)."""
+    if type(obj).__name__ not in _encoded_types():
+        raise KVMemError(f"{type(obj).__name__} rows cannot be exported")
+    meta[f"{prefix}.__type"] = type(obj).__name__
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}.{f.name}"
+        if isinstance(value, Tensor):
+            tensors[key] = value.clone()
+        elif dataclasses.is_dataclass(value):
+            _flatten(value, key, tensors, meta)
+        elif isinstance(value, torch.dtype):
+            meta[key] = {"dtype": str(value).split(".")[-1]}
+        else:
+            meta[key] = list(value) if isinstance(value, tuple) else value
+
+
+def _unflatten(prefix: str, tensors: dict, meta: dict):
+    types = _encoded_types()
+    cls = types.get(meta.get(f"{prefix}.__type"))
+    if cls is None:
+        raise KVMemError(f"encoded rows name an unknown type {meta.get(f'{prefix}.__type')!r}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        if key in tensors:
+            values[f.name] = tensors[key]
+        elif f"{key}.__type" in meta:
+            values[f.name] = _unflatten(key, tensors, meta)
+        elif key in meta:
+            v = meta[key]
+            if isinstance(v, dict) and "dtype" in v:
+                v = getattr(torch, v["dtype"])
+            values[f.name] = tuple(v) if isinstance(v, list) else v
+        else:
+            raise KVMemError(f"encoded rows lack {key!r}")
+    return cls(**values)
+

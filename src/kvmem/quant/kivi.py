@@ -32,10 +32,10 @@ class KIVI(Scheme):
             raise KVMemError(f"{self.spec}: head_dim {head_dim} is not a multiple of the group {self.group} "
                              f"(values are grouped along channels); choose e.g. {self.name}:group={head_dim // 2 or 1}")
 
-    def encode(self, keys: Tensor, values: Tensor) -> tuple[Quantized, Quantized]:
+    def encode(self, keys: Tensor, values: Tensor, positions: Tensor, head: int) -> tuple[Quantized, Quantized]:
         return quantize(keys, self.bits, self.group, dim=0), quantize(values, self.bits, self.group, dim=1)
 
-    def decode(self, keys: Quantized, values: Quantized) -> tuple[Tensor, Tensor]:
+    def decode(self, keys: Quantized, values: Quantized, positions: Tensor, head: int) -> tuple[Tensor, Tensor]:
         return dequantize(keys), dequantize(values)
 
     @property

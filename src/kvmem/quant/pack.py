@@ -44,6 +44,10 @@ def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     _check_bits(bits)
     if bits == 8:
         return packed[..., :n]
+    if 8 % bits == 0:  # whole codes per byte (1, 2, 4 bits): byte j holds codes j*8/bits.. at increasing shifts
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*packed.shape[:-1], -1)[..., :n]
     b = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, bits)
     word = (b << (torch.arange(bits, device=b.device) * 8)).sum(-1)
     codes = (word[..., None] >> (torch.arange(8, device=b.device) * bits)) & ((1 << bits) - 1)
@@ -72,6 +76,22 @@ class Quantized:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    # -- the `Encoded` contract of kvmem.quant.base: rows along dim 0 --
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def cat(self, later: Quantized) -> Quantized:
+        return concat([self, later], 0)
+
+    def drop(self, n: int) -> Quantized:
+        """Rows `n:` (n a multiple of the group when groups run along rows)."""
+        if self.dim == 0 and n % self.group:
+            raise KVMemError(f"cannot drop {n} rows of groups of {self.group} rows")
+        scale_rows = (slice(None), slice(n // self.group, None)) if self.dim == 0 else (slice(n, None),)
+        return Quantized(self.packed[n:].clone(), self.scale[scale_rows].clone(), self.zero[scale_rows].clone(),
+                         self.bits, self.group, self.dim, (self.shape[0] - n, *self.shape[1:]), self.dtype)
+
 
 def quantize(x: Tensor, bits: int, group: int, dim: int = -1) -> Quantized:
     """Min-max asymmetric quantization of x in groups of `group` consecutive elements along `dim`
@@ -92,7 +112,15 @@ def quantize(x: Tensor, bits: int, group: int, dim: int = -1) -> Quantized:
 
 
 def dequantize(q: Quantized) -> Tensor:
-    codes = unpack(q.packed, q.bits, q.shape[-1]).float().movedim(q.dim, -1)
+    codes = unpack(q.packed, q.bits, q.shape[-1]).to(torch.float32)
+    if len(q.shape) == 2:  # a head's (T, D) rows, the cache's case: no moved copies, one fused multiply-add
+        t, d = q.shape
+        if q.dim == 0:  # groups of `group` rows per channel; scale (D, T / group)
+            x = torch.addcmul(q.zero.t().float()[:, None, :], codes.view(t // q.group, q.group, d), q.scale.t().float()[:, None, :])
+        else:  # groups of `group` channels per row; scale (T, D / group)
+            x = torch.addcmul(q.zero.float()[..., None], codes.view(t, d // q.group, q.group), q.scale.float()[..., None])
+        return x.view(t, d).to(q.dtype)
+    codes = codes.movedim(q.dim, -1)
     x = codes.reshape(*codes.shape[:-1], -1, q.group) * q.scale.float()[..., None] + q.zero.float()[..., None]
     return x.reshape(codes.shape).movedim(-1, q.dim).to(q.dtype)
 
