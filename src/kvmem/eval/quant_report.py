@@ -68,14 +68,14 @@ def ppl_table(rows: list[dict]) -> list[str]:
     for model in sorted({r["model"] for r in rows}):
         sub = sorted((r for r in rows if r["model"] == model), key=lambda r: (r["scheme"] != FULL, -(r["bits"] or 99), r["scheme"]))
         r0 = sub[0]
-        lines += [f"**{model}**: {r0['texts']} held-out texts x {r0['tokens'] // max(r0['texts'], 1) + 1} tokens, "
-                  "teacher-forced in chunks of 32 (every chunk reads the cache the earlier ones left).", "",
-                  "| cache | code bits | ppl | Δppl % [95% CI] | KV MiB held | bits / element | fewer bytes than full |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [f"**{model}**: held-out texts of {r0['tokens'] // max(r0['texts'], 1) + 1} tokens (Δppl on the texts "
+                  "both caches ran), teacher-forced in chunks of 32 (every chunk reads the cache the earlier ones left).", "",
+                  "| cache | texts | code bits | ppl | Δppl % [95% CI] | KV MiB held | bits / element | fewer bytes than full |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in sub:
             bits = "—" if r["bits"] is None else f"{r['bits']:g}"
             delta = "—" if r["scheme"] == FULL else _fmt(r["delta_pct"])
-            lines.append(f"| {r['scheme']} | {bits} | {r['ppl']:.3f} | {delta} | {_mib(r['kv_bytes'])} | "
+            lines.append(f"| {r['scheme']} | {r['texts']} | {bits} | {r['ppl']:.3f} | {delta} | {_mib(r['kv_bytes'])} | "
                          f"{r['bits_per_element']:.2f} | {r['factor']:.1f}x |")
         lines.append("")
     return lines
