@@ -60,7 +60,7 @@ QUANT_SCHEMES := kivi-8,kivi-4,kivi-3,kivi-2,kvquant-4,kvquant-3,kvquant-2,adaqu
 
 bench-quant: setup
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
-	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 2048 --texts 1 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
+	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 2048 --texts 2 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(TASK_SCHEMES) --parts tasks --methods kvzip --samples 10 --threads 1 --out results/quant
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
