@@ -62,6 +62,7 @@ bench-quant: setup
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 2048 --texts 2 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(TASK_SCHEMES) --parts tasks --methods kvzip --samples 10 --threads 1 --out results/quant
+	$(PY) -c "from kvmem.eval.quant_report import update_readme; update_readme()"
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first 10 samples a task.

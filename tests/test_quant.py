@@ -158,6 +158,10 @@ def test_quantized_rows_export_and_import_exactly_as_held(tiny_llama):
                          exported[0].meta)
     with pytest.raises(KVMemError, match="do not add up"):
         KVCache(tiny_llama.config, quant=spec).layers[0].import_rows(short)
+    headless = ExportedRows([{k: v for k, v in h.items() if k != "residual_keys"} for h in exported[0].heads],
+                            exported[0].codec, exported[0].meta)
+    with pytest.raises(KVMemError, match="lacks"):
+        KVCache(tiny_llama.config, quant=spec).layers[0].import_rows(headless)
     forged = ExportedRows(exported[0].heads, exported[0].codec,
                           {**exported[0].meta, "heads": [{**m, "k.__type": "os.system"} for m in exported[0].meta["heads"]]})
     with pytest.raises(KVMemError, match="unknown type"):

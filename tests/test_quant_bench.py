@@ -12,7 +12,7 @@ from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
 from kvmem.eval.quant import (FULL, QuantConfig, delta_ppl, from_rows, held_bytes, kv_elements, task_cells,
                               token_nlls)
-from kvmem.eval.quant_report import hf_peer, ppl_rows, task_rows, write_report
+from kvmem.eval.quant_report import hf_peer, ppl_rows, task_rows, update_readme, write_report
 from kvmem.generate import feed
 
 
@@ -66,6 +66,8 @@ def test_task_cells_cross_eviction_with_quantization():
     assert ("keydiff", 0.5, "kivi-8") not in cells and ("keydiff", 0.5, "hf-quanto-2") not in cells
     with pytest.raises(KVMemError, match="unknown quantization scheme"):
         QuantConfig(models=["smollm2-135m"], schemes=["kivi-5"]).validate()
+    with pytest.raises(KVMemError, match="unknown HF baseline 'hf-quanto-3'"):
+        QuantConfig(models=["smollm2-135m"], schemes=["hf-quanto-3"]).validate()
     with pytest.raises(KVMemError, match="part"):
         QuantConfig(models=["smollm2-135m"], parts=["speed"]).validate()
 
@@ -97,3 +99,10 @@ def test_report_from_records(tmp_path):
     assert "keydiff@0.25 + kivi-2 ★" in report and "| kivi-2 | 12 |" in report and "kivi-2 ★" not in report.replace(
         "keydiff@0.25 + kivi-2 ★", "")
     assert (tmp_path / "frontier.png").exists() and ppl_rows(recs)[0]["scheme"] == FULL
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- quant: old -->\nstale\n<!-- /quant -->\nafter\n")
+    update_readme(tmp_path, readme)
+    text = readme.read_text()
+    assert "stale" not in text and "## Targets" not in text
+    assert text.startswith("intro\n<!-- quant: regenerated") and text.endswith("<!-- /quant -->\nafter\n")
+    assert "keydiff@0.25 + kivi-2 (11.1x" in text  # the target line, regenerated from the records

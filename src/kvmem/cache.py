@@ -139,6 +139,9 @@ class KVLayer(CacheLayerMixin):
                                  f"quant='{rows.codec}')")
             if self.is_initialized and len(rows.heads) != self.num_heads:
                 raise KVMemError(f"rows for {len(rows.heads)} KV heads; this layer has {self.num_heads}")
+            dim = rows.heads[0]["residual_keys"].shape[-1] if rows.heads and "residual_keys" in rows.heads[0] else None
+            if self.is_initialized and self.num_heads and dim != self.head_keys[0].shape[-1]:
+                raise KVMemError(f"encoded rows of head_dim {dim}; this layer's head_dim is {self.head_keys[0].shape[-1]}")
             stored = QuantizedRows.import_encoded(self.quant, rows)
             self.dtype, self.device = stored.dtype, rows.heads[0]["positions"].device
             self.is_initialized = True

@@ -74,6 +74,8 @@ class QuantConfig:
 
     def validate(self) -> None:
         for s in self.schemes + (self.task_schemes or []):
+            if s.startswith("hf-") and s not in HF_BASELINES:
+                raise KVMemError(f"unknown HF baseline {s!r}; choose from {', '.join(HF_BASELINES)}")
             if s not in HF_BASELINES and s != FULL:
                 get_scheme(s)  # a named error for an unknown scheme or option
         if bad := set(self.parts) - set(PARTS):
@@ -94,7 +96,7 @@ def hf_cache(lm, name: str):
 
     try:
         return QuantizedCache(config=lm.model.config, **HF_BASELINES[name])
-    except ImportError as e:  # noqa: F841 - quanto is a dependency; say which one is missing
+    except ImportError as e:  # quanto is a dependency; say which one is missing
         raise KVMemError(f"{name} needs optimum-quanto (pip install optimum-quanto): {e}") from None
 
 

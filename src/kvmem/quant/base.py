@@ -194,6 +194,11 @@ class QuantizedRows(Rows):
         dtype = getattr(torch, str(rows.meta.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
             raise KVMemError(f"encoded rows name an unknown dtype {rows.meta.get('dtype')!r}")
+        for h, tensors in enumerate(rows.heads):
+            if missing := {"positions", "residual_keys", "residual_values"} - set(tensors):
+                raise KVMemError(f"head {h} of the encoded rows lacks {sorted(missing)}")
+        if not rows.heads:
+            raise KVMemError("encoded rows hold no heads")
         first = rows.heads[0]
         out = cls(scheme, len(rows.heads), first["residual_keys"].shape[-1], dtype, first["positions"].device,
                   first["residual_values"].shape[-1])
