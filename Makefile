@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 KVMEM  := $(VENV)/bin/kvmem
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-smollm2 bench-gemma bench-speed bench-retrieval bench-quant race race-setup clean
+.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-speed bench-retrieval bench-quant bench-reuse race race-setup clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -19,7 +19,12 @@ setup: $(STAMP)
 demo: setup
 	$(KVMEM) demo
 
-test: setup
+# The store's tests run a real redis-server (Debian's package) on loopback; the fixture starts and stops it.
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends redis-server) \
+		|| (echo "kvmem: cannot install redis-server (run as root on Debian/Ubuntu, or install it yourself)"; exit 1)
+
+test: setup redis
 	$(PY) -m pytest -q
 
 # The committed benchmarks (hours on 2 CPU cores; every run resumes from its records): the long-context
@@ -36,7 +41,7 @@ TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa
 
 bench: setup
 	$(MAKE) -j2 bench-smollm2 bench-gemma
-	$(MAKE) bench-speed bench-retrieval bench-quant
+	$(MAKE) bench-speed bench-retrieval bench-quant bench-reuse
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 bench-smollm2: setup
@@ -63,6 +68,15 @@ bench-quant: setup
 	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 2048 --texts 2 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(TASK_SCHEMES) --parts tasks --methods kvzip --samples 10 --threads 1 --out results/quant
 	$(PY) -c "from kvmem.eval.quant_report import update_readme; update_readme()"
+
+# Reuse (issue 10): time to first token with and without stored KV at 1k/4k/8k, per tier (memory, disk with the page
+# cache dropped, a local redis-server) and codec, the codecs' bytes, speed and Delta-ppl, semantic lookup; then the RAG
+# table (multi-document QA: full prefill, no repair, cacheblend and infoflow at three recompute ratios).
+REUSE_CODECS := raw,quant:kivi-8,quant:kivi-4,quant:kivi-2,cachegen
+
+bench-reuse: setup redis
+	$(KVMEM) eval --suite reuse --models smollm2-135m --lengths 1024,4096,8192 --codecs $(REUSE_CODECS) --threads 1 --out results/reuse
+	$(KVMEM) eval --suite rag --models smollm2-135m --methods full,none,cacheblend,infoflow,infoflow-inorder --ratios 0.05,0.15,0.3 --samples 25 --threads 1 --out results/rag
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first 10 samples a task.

@@ -44,3 +44,13 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_gemma():
     return tiny_model("gemma")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server (Debian's package; `make test` installs it) on a free loopback port, stopped afterwards;
+    tests that kill it mid-run call `start()` again."""
+    from kvmem.store.tiers import LocalRedis
+
+    with LocalRedis() as server:
+        yield server

@@ -34,6 +34,8 @@ def test_methods_lists_compression_and_embedding_methods():
         (["generate", "--prompt", "hi", "--context-file", "/no/such/file.txt"], "No such file"),
         (["generate", "--prompt", "hi", "--model", "gpt-17"], "unknown model 'gpt-17'"),
         (["generate", "--prompt", "hi", "--quant", "kivi-5"], "unknown quantization scheme 'kivi-5'"),
+        (["generate", "--prompt", "hi", "--store", "ftp://x"], "unknown store tier 'ftp://x'"),
+        (["generate", "--prompt", "hi", "--store", "memory", "--codec", "zip"], "unknown codec 'zip'"),
         (["eval", "--tasks", "niah-42"], "unknown task 'niah-42'"),
         (["eval", "--ratios", "0.5,abc"], "comma-separated list of float"),
         (["eval", "--lengths", "99999", "--tasks", "passkey"], "longer than smollm2-135m allows"),

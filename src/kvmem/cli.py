@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 import sys
 from pathlib import Path
 from typing import Optional
@@ -31,6 +32,9 @@ def _quiet() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    # kvmem's own warnings (a store tier down, a chunk discarded) as one plain line each
+    warnings.showwarning = lambda message, category, *_: console.print(f"[yellow]warning:[/yellow] {message}", highlight=False,
+                                                                       soft_wrap=True)
 
 
 def clean_errors(fn):
@@ -103,8 +107,14 @@ def generate(
     max_new_tokens: int = typer.Option(64, help="Tokens to generate (stops at end of line)."),
     raw_prompt: bool = typer.Option(False, help="No chat template: the context and prompt as plain text (base models)."),
     quant: Optional[str] = typer.Option(None, help="Hold the cache quantized, e.g. kivi-2, kivi-4:group=64 (after eviction)."),
+    store: Optional[str] = typer.Option(None, help="Keep and reuse computed KV: tiers fastest first, e.g. "
+                                        "memory,disk:///tmp/kvmem,redis://127.0.0.1:6379/0."),
+    codec: str = typer.Option("raw", help="How the store encodes chunks: raw, quant:<scheme> (e.g. quant:kivi-8), cachegen."),
+    chunk_size: int = typer.Option(256, help="Tokens per stored chunk."),
+    store_write: str = typer.Option("through", help="Store writes: through (every tier) or memory (the first tier only)."),
 ) -> None:
-    """Read a context, compress its KV cache, answer the prompt; prints the answer and the memory held."""
+    """Read a context, compress its KV cache, answer the prompt; prints the answer and the memory held. With
+    --store, computed KV is kept and a later run on the same context reuses it (and says how much)."""
     from kvmem.compress import get_method
     from kvmem.generate import answer
     from kvmem.models import load_model
@@ -117,23 +127,35 @@ def generate(
         raise KVMemError(f"keep ratio must be in (0, 1]; got {keep_ratio}")
     if m.name == "full" and keep_ratio < 1.0:
         raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
+    chunks = None
+    if store:
+        from kvmem.store import ChunkStore
+
+        chunks = ChunkStore(store, codec, chunk_size, store_write)  # a bad tier, codec or size fails before the model loads
     context = context_file.read_text() if context_file else ""
     lm = load_model(model)
-    a = answer(lm, context, prompt, method, keep_ratio, query_aware, max_new_tokens, raw_prompt=raw_prompt, quant=quant)
+    a = answer(lm, context, prompt, method, keep_ratio, query_aware, max_new_tokens, raw_prompt=raw_prompt, quant=quant,
+               store=chunks)
     console.print(a.text.strip(), highlight=False)
+    if a.reuse is not None:
+        console.print(f"[dim]store {', '.join(t.name for t in chunks.tiers)} ({chunks.codec.spec}): {a.reuse.summary()}[/dim]",
+                      highlight=False)
     console.print(f"[dim]KV held {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
                   f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}"
                   f"{f', quantized {quant}' if quant else ''}[/dim]", highlight=False)
 
 
+RATIOS_DEFAULT = "1.0,0.5,0.25,0.1"
+
+
 @app.command("eval")
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory) or quant (quantization: Δppl, decode, tasks)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks) reuse (TTFT from stored KV, codecs, semantic lookup) or rag (documents reused at new positions: cacheblend, infoflow)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's)."),
-    ratios: str = typer.Option("1.0,0.5,0.25,0.1", help="Comma-separated keep ratios."),
+    ratios: str = typer.Option(RATIOS_DEFAULT, help="Comma-separated keep ratios (rag: recompute ratios, default 0.15)."),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks (retrieval: sets) (default: all)."),
     samples: int = typer.Option(3, help="Samples per task and length."),
     seed: int = typer.Option(0, help="Seed of the generated samples."),
@@ -145,6 +167,7 @@ def eval_(
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
     parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens)."),
+    codecs: Optional[str] = typer.Option(None, help="reuse: comma-separated store codecs (default: raw, quant:kivi-8/4/2, cachegen)."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
     retrieval: embedding methods on the offline retrieval sets (abstracts, questions).
@@ -170,6 +193,21 @@ def eval_(
         path = run_speed(cfg)
         console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
         return
+    if suite == "rag":
+        from kvmem.eval.rag import run_rag
+
+        path = run_rag(_csv(models), _csv(methods) if methods else ("full", "none", "cacheblend", "infoflow"), samples,
+                       _csv(ratios, float) if ratios != RATIOS_DEFAULT else [0.15], out or Path("results/rag"), seed)
+        console.print(f"report: {path / 'report.md'}")
+        return
+    if suite == "reuse":
+        from kvmem.eval.reuse import DEFAULT_CODECS, ReuseConfig, run_reuse
+
+        cfg = ReuseConfig(models=_csv(models), lengths=_csv(lengths, int), codecs=_csv(codecs) if codecs else list(DEFAULT_CODECS),
+                          out=out or Path("results/reuse"), threads=threads)
+        path = run_reuse(cfg, log=console.print)
+        console.print(f"report: {path}")
+        return
     if suite == "quant":
         from kvmem.eval.quant import QuantConfig, default_schemes, run_quant
 
@@ -186,7 +224,7 @@ def eval_(
     from kvmem.eval.longctx import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
-        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant")
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag")
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),

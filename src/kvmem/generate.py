@@ -145,6 +145,7 @@ class Answer:
     kv_bytes: int
     kv_bytes_full: int
     tokens_held: int
+    reuse: object = None  # a kvmem.reuse.ReuseReport when a store was used
 
 
 def answer(
@@ -158,6 +159,7 @@ def answer(
     raw_prompt: bool = False,
     answer_prefix: str = "",
     quant: str | None = None,
+    store=None,
 ) -> Answer:
     """Read `context`, compress its KV with `method` (a name or spec, e.g. `kvzip` or `snapkv:budget=adaptive`),
     then answer `question` (the one-call API).
@@ -165,12 +167,21 @@ def answer(
     The prompt goes through the tokenizer's chat template (`kvmem.prompts`; `raw_prompt=True` for base
     models). query_aware=False compresses the context before the question is seen (the reusable setting);
     True compresses after reading the question too, keeping the question's tokens. `quant` (e.g. `kivi-2`)
-    holds the cache quantized: eviction first, then what is kept is quantized.
+    holds the cache quantized: eviction first, then what is kept is quantized. `store` (a
+    `kvmem.store.ChunkStore`) keeps computed KV across calls (`kvmem.reuse.prefix`): the longest stored prefix
+    of the prompt is loaded, not recomputed; a context compressed before its question is stored compressed
+    and reused whole. `Answer.reuse` says what was reused.
     """
     m = get_method(method)
     prompt = build_prompt(lm.tokenizer, context, question, answer_prefix, raw=raw_prompt)
     ctx, q = prompt.context, prompt.question
     cache = new_cache(lm, m, quant)
+    if store is not None:
+        logits, full_bytes, report = _prefill_with_store(lm, cache, m, keep_ratio, query_aware, quant, prompt, store,
+                                                         bool(context))
+        kept = cache.kv_bytes()
+        tokens = decode(lm, cache, logits, max_new_tokens)
+        return Answer(lm.tokenizer.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())), report)
     if not context:  # no document (the context is the chat template's head alone): nothing to compress
         logits = feed(lm, cache, q)
         full_bytes = kept = cache.kv_bytes()
@@ -184,3 +195,46 @@ def answer(
         logits = feed(lm, cache, q[-1:] if query_aware else q)
     tokens = decode(lm, cache, logits, max_new_tokens)
     return Answer(lm.tokenizer.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())))
+
+
+def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: float, query_aware: bool,
+                        quant: str | None, prompt, store, has_document: bool):
+    """`answer`'s prefill and compression through a chunk store. Returns the logits of the last prompt token,
+    the bytes held before compression and the reuse report. Uncompressed prompts reuse any stored prefix;
+    a context compressed before its question reuses its stored compressed form (valid for exactly that
+    context), else its stored raw prefix (leaving the last tokens a scorer observes to be computed)."""
+    import time
+
+    from kvmem.reuse.prefix import ReuseReport, load_span, prefill, save_span
+
+    ctx, q = prompt.context, prompt.question
+    compressing = has_document and keep_ratio < 1.0 and m.name != "full"
+    # a scorer that reads the last queries (or all attention) must see them computed, not loaded
+    min_tail = len(ctx) + len(q) if m.needs_attention else m.observe_window + 1
+    if not compressing:
+        logits, report = prefill(lm, cache, ctx + q, store)
+        return logits, cache.kv_bytes(), report
+    if query_aware:  # the question is compressed with the context: only the raw prefix can be reused
+        _, report = prefill(lm, cache, ctx + q[:-1], store, min_tail=min_tail)
+        full_bytes = cache.kv_bytes()
+        compress(cache, m, keep_ratio, protect_from=len(ctx), context=ModelContext(lm, ctx, prompt.head))
+        cache.drop_observations()
+        return feed(lm, cache, q[-1:]), full_bytes, report
+    compression = f"{m.spec}@{keep_ratio:g}" + (f"+{quant}" if quant else "")
+    report = ReuseReport()
+    if load_span(lm, cache, store, ctx, compression, report):
+        full_bytes = report.full_kv_bytes
+    else:
+        t = time.perf_counter()
+        _, report = prefill(lm, cache, ctx, store, min_tail=min(min_tail, len(ctx)), report=report)
+        full_bytes = cache.kv_bytes()
+        compress(cache, m, keep_ratio, context=ModelContext(lm, ctx, prompt.head))
+        # what computing this compressed context costs from scratch: the reused raw prefix's cost included
+        save_span(lm, cache, store, ctx, compression, time.perf_counter() - t + report.saved_compute_s, full_bytes)
+    cache.drop_observations()
+    t = time.perf_counter()
+    logits = feed(lm, cache, q)
+    report.prefill_s += time.perf_counter() - t
+    report.computed_tokens += len(q)
+    report.prompt_tokens = len(ctx) + len(q)
+    return logits, full_bytes or cache.kv_bytes(), report

@@ -8,6 +8,7 @@ local folder. A GGUF is dequantized once and saved as float32 safetensors under 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -94,6 +95,10 @@ class LoadedModel:
     def config(self):
         return self.model.config
 
+    @functools.cached_property
+    def tokenizer_id(self) -> str:
+        return tokenizer_hash(self.tokenizer)
+
 
 def _sha256_files(paths: list[Path]) -> str:
     h = hashlib.sha256()
@@ -156,6 +161,12 @@ def _weights_hash(folder: Path) -> str:
     return _sha256_files(files) if files else "unknown"
 
 
+def tokenizer_hash(tokenizer) -> str:
+    """SHA-256 of the tokenizer's vocabulary (token -> id): stored chunks name it, and another one is refused."""
+    vocab = tokenizer.get_vocab()
+    return hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
+
+
 def fingerprint(model: torch.nn.Module, tokenizer, weights_hash: str) -> str:
     """A short id for (architecture, weights, tokenizer). Stored KV is only valid for the same fingerprint."""
     cfg = model.config.get_text_config()
@@ -168,9 +179,7 @@ def fingerprint(model: torch.nn.Module, tokenizer, weights_hash: str) -> str:
         "head_dim": getattr(cfg, "head_dim", None),
         "hidden": cfg.hidden_size,
     }
-    vocab = tokenizer.get_vocab()
-    tok = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
-    h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode() + weights_hash.encode() + tok.encode())
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode() + weights_hash.encode() + tokenizer_hash(tokenizer).encode())
     return h.hexdigest()[:16]
 
 

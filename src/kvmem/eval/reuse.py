@@ -1,0 +1,217 @@
+"""The reuse benchmark (`kvmem eval --suite reuse`): time to first token with and without stored KV, per tier
+and codec, the codecs' bytes and speed, and the quality each lossy codec costs.
+
+Per model and context length (one record per measurement in OUT/records.jsonl, resumable by length):
+
+A prompt of `length` tokens is a document (`length` - 64 tokens) and a question.
+
+* `cold`: a request with nothing stored: one prefill forward of the whole prompt (what kvmem does without a
+  store), and the chunked prefill that also encodes and writes every chunk (what the first request costs with
+  a store).
+* `warm`: the same document with another question, every (tier, codec): the longest stored prefix is read,
+  verified, decoded and imported, the rest prefilled; TTFT is until the first token's logits, the median of
+  `repeats` runs, broken down into read / decode / import / prefill. Disk is read with the OS page cache
+  dropped first where the process may (root), so it reads the device; the record says which.
+* `semantic`: semantic lookup with token verification against exact chunk reuse (`kvmem/eval/semantic.py`).
+* `quality`: per codec, Delta-ppl (paired block bootstrap CI) of a held-out continuation fed on top of the
+  decoded prefix against the raw one. `tasks` (optional): the long-context suite's samples answered from a
+  prefix stored with each codec, scored as the main report scores them.
+
+The document is the held-out text of the quant benchmark, so nothing here was seen by a calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvmem.cache import KVCache
+from kvmem.errors import KVMemError
+from kvmem.eval.quant import _append, delta_ppl, read_records, token_nlls
+from kvmem.generate import feed
+from kvmem.reuse.prefix import chunk_rows, prefill
+from kvmem.store import ChunkStore
+from kvmem.store.tiers import DiskTier, LocalRedis, MemoryTier, RedisTier
+
+QUESTIONS = ("\n\nQuestion: which methods does the text above propose? Answer:",
+             "\n\nQuestion: what problem do the authors of the last paragraph address? Answer:")
+DEFAULT_CODECS = ["raw", "quant:kivi-8", "quant:kivi-4", "quant:kivi-2", "cachegen"]
+TIERS = ["memory", "disk", "redis"]
+
+
+@dataclass
+class ReuseConfig:
+    models: list[str]
+    lengths: list[int] = field(default_factory=lambda: [1024, 4096, 8192])
+    codecs: list[str] = field(default_factory=lambda: list(DEFAULT_CODECS))
+    tiers: list[str] = field(default_factory=lambda: list(TIERS))
+    chunk_size: int = 256
+    repeats: int = 3
+    continuation: int = 256
+    out: Path = Path("results/reuse")
+    threads: int = 1
+    semantic_pairs: int = 20  # the semantic-lookup part (kvmem/eval/semantic.py) on the first model; 0: skipped
+
+    def validate(self) -> None:
+        from kvmem.store import get_codec
+
+        for c in self.codecs:
+            get_codec(c)
+        if unknown := set(self.tiers) - set(TIERS):
+            raise KVMemError(f"unknown tier(s) {sorted(unknown)}; the benchmark times {', '.join(TIERS)}")
+        if "raw" not in self.codecs:
+            raise KVMemError("the reuse benchmark needs the raw codec (the reference for every lossy one)")
+
+
+def _drop_page_cache() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+QUESTION_ROOM = 64  # a prompt of `length` tokens: the document, then up to this many for the question
+
+
+def _document(lm, length: int) -> tuple[list[int], list[int]]:
+    """A document of `length - QUESTION_ROOM` tokens of held-out text (so document and question fit `length`, e.g.
+    the model's 8192) and the continuation after it (the quant benchmark's texts). Its last partial chunk is not
+    stored and is recomputed, with the question, by every warm request: a typical case, not the best one."""
+    from kvmem.eval.quant import ppl_texts
+
+    n = length - QUESTION_ROOM
+    ids = ppl_texts(lm.tokenizer, n + 512, 1)[0]
+    return ids[:n], ids[n:]
+
+
+def _median_run(fn, repeats: int) -> tuple[float, object]:
+    times, last = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        last = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), last
+
+
+@torch.no_grad()
+def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | None, log=print) -> None:
+    path = cfg.out / "records.jsonl"
+    base = dict(model=model, length=length, chunk=cfg.chunk_size, threads=torch.get_num_threads())
+    doc, after = _document(lm, length)
+    q1, q2 = (lm.tokenizer(q, add_special_tokens=False).input_ids for q in QUESTIONS)
+    first, second = doc + q1, doc + q2
+    if max(len(first), len(second)) > min(length, lm.max_context):
+        raise KVMemError(f"a {length}-token prompt does not fit {lm.name}'s {lm.max_context} tokens")
+    # cold: no store (one forward), then with a store (chunked, encoded, written): the raw chunks come from it
+    cold_s, _ = _median_run(lambda: feed(lm, KVCache(lm.model.config), second), 1)
+    raw_tier = MemoryTier(max_bytes=2**40)
+    raw_store = ChunkStore([raw_tier], "raw", cfg.chunk_size)
+    cache = KVCache(lm.model.config)
+    t = time.perf_counter()
+    _, first_report = prefill(lm, cache, first, raw_store)
+    cold_store_s = time.perf_counter() - t
+    _append(path, base | dict(kind="cold", ttft_s=cold_s, with_store_s=cold_store_s, prompt_tokens=len(second)))
+    log(f"{model} {length}: cold TTFT {cold_s:.2f} s; first request with a store {cold_store_s:.2f} s")
+    n_chunks = len(doc) // cfg.chunk_size
+    rows = [chunk_rows(cache, i * cfg.chunk_size, (i + 1) * cfg.chunk_size) for i in range(n_chunks)]
+    del cache
+    with tempfile.TemporaryDirectory(prefix="kvmem-bench-") as tmp:
+        for codec in cfg.codecs:
+            tiers = {"memory": MemoryTier(max_bytes=2**40)}
+            if "disk" in cfg.tiers:
+                tiers["disk"] = DiskTier(Path(tmp) / codec.replace(":", "_"))
+            if "redis" in cfg.tiers and redis_url:
+                tiers["redis"] = RedisTier(redis_url)
+            writer = ChunkStore(list(tiers.values()), codec, cfg.chunk_size)
+            keys = writer.keys(lm, first)
+            t = time.perf_counter()
+            for i, r in enumerate(rows):
+                writer.save(lm, keys[i], r, i * cfg.chunk_size, cfg.chunk_size)
+            write_s = time.perf_counter() - t
+            nbytes = tiers["memory"].nbytes
+            t = time.perf_counter()
+            for i in range(n_chunks):  # read from memory, verify, decode
+                writer.load(lm, keys[i], i * cfg.chunk_size, cfg.chunk_size)
+            read_decode_s = time.perf_counter() - t
+            rec = base | dict(kind="codec", codec=writer.codec.spec, bytes=nbytes, tokens=n_chunks * cfg.chunk_size,
+                              bytes_per_token=nbytes / max(n_chunks * cfg.chunk_size, 1),
+                              encode_tokens_per_s=n_chunks * cfg.chunk_size / write_s,
+                              decode_tokens_per_s=n_chunks * cfg.chunk_size / read_decode_s, tiers_written=list(tiers))
+            _append(path, rec)
+            log(f"  {writer.codec.spec}: {rec['bytes_per_token']:.0f} B/token, encode+write {rec['encode_tokens_per_s']:.0f} "
+                f"tok/s, decode {rec['decode_tokens_per_s']:.0f} tok/s")
+            for name, tier in tiers.items():
+                store = ChunkStore([tier], codec, cfg.chunk_size)
+                dropped = False
+
+                def warm():
+                    nonlocal dropped
+                    if name == "disk":
+                        dropped = _drop_page_cache()
+                    c = KVCache(lm.model.config)
+                    return prefill(lm, c, second, store)[1]
+
+                ttft, report = _median_run(warm, cfg.repeats)
+                if report.reused_tokens != n_chunks * cfg.chunk_size:
+                    raise KVMemError(f"{name}/{codec}: reused {report.reused_tokens} tokens, expected {n_chunks * cfg.chunk_size}")
+                _append(path, base | dict(kind="warm", tier=name, codec=writer.codec.spec, ttft_s=ttft, cold_ttft_s=cold_s,
+                                          speedup=cold_s / ttft, read_s=report.read_s, decode_s=report.decode_s,
+                                          import_s=report.import_s, prefill_s=report.prefill_s,
+                                          reused_tokens=report.reused_tokens, computed_tokens=report.computed_tokens,
+                                          page_cache_dropped=dropped if name == "disk" else None))
+                log(f"    {name}: TTFT {ttft:.3f} s ({cold_s / ttft:.1f}x) read {report.read_s:.3f} decode "
+                    f"{report.decode_s:.3f} import {report.import_s:.3f} prefill {report.prefill_s:.3f}")
+            # quality: a held-out continuation on top of the decoded prefix
+            cache = KVCache(lm.model.config)
+            prefill(lm, cache, doc + after[:1], ChunkStore([tiers["memory"]], codec, cfg.chunk_size))
+            nll = token_nlls(lm, cache, after[1:cfg.continuation + 2], 64)
+            _append(path, base | dict(kind="nll", codec=writer.codec.spec, nll=nll))
+            del cache
+
+
+def run_reuse(cfg: ReuseConfig, log=print) -> Path:
+    from kvmem.models import load_model
+
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    records = read_records(cfg.out / "records.jsonl")
+    done = {(m, n) for m in cfg.models for n in cfg.lengths
+            if len({r["codec"] for r in records if r["kind"] == "nll" and r["model"] == m and r["length"] == n}) >= len(cfg.codecs)}
+    server = LocalRedis().start() if "redis" in cfg.tiers else None
+    try:
+        for model in cfg.models:
+            lm = load_model(model)
+            for length in cfg.lengths:
+                if (model, length) in done:
+                    log(f"{model} {length}: done (records kept)")
+                    continue
+                run_length(lm, model, length, cfg, server.url if server else None, log)
+            if cfg.semantic_pairs and model == cfg.models[0] and not (cfg.out / "semantic_summary.json").exists():
+                from kvmem.eval.semantic import run_semantic
+
+                run_semantic(lm, n=cfg.semantic_pairs, out=cfg.out, chunk_size=cfg.chunk_size,
+                             threads=cfg.threads or torch.get_num_threads())
+    finally:
+        if server is not None:
+            server.kill()
+    from kvmem.eval.reuse_report import write_report
+
+    return write_report(cfg.out)
+
+
+def codec_quality(records: list[dict], model: str, length: int, block: int = 32) -> dict[str, tuple[float, float, float]]:
+    """Delta-ppl (%, with CI) of each codec against raw at one (model, length)."""
+    nll = {r["codec"]: r["nll"] for r in records if r["kind"] == "nll" and r["model"] == model and r["length"] == length}
+    if "raw" not in nll:
+        return {}
+    return {c: delta_ppl([(v, nll["raw"])], block) for c, v in nll.items() if c != "raw"}

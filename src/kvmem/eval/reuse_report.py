@@ -1,0 +1,140 @@
+"""The reuse benchmark's report (results/reuse/report.md, results.json, plots) from its records: TTFT with and
+without reuse per tier and codec (the speedup is the headline), the load time broken down, the codecs' bytes,
+speed and quality, the issue's goals said met or not, and the RAG table (results/rag) when it exists."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from kvmem.eval.quant import read_records
+
+COMMAND = "make bench-reuse"
+SPEEDUP_GOAL = 20.0  # at 8k, from memory or disk
+CACHEGEN_GOAL = 1 / 3  # of kivi-8's bytes
+
+
+def _latest(records: list[dict], kind: str, *fields: str) -> dict[tuple, dict]:
+    """The last record of each key (a rerun's records replace the earlier ones)."""
+    out = {}
+    for r in records:
+        if r["kind"] == kind:
+            out[tuple(r.get(f) for f in fields)] = r
+    return out
+
+
+def summarize(records: list[dict]) -> dict:
+    from kvmem.eval.reuse import codec_quality
+
+    cold = _latest(records, "cold", "model", "length")
+    warm = _latest(records, "warm", "model", "length", "tier", "codec")
+    codecs = _latest(records, "codec", "model", "length", "codec")
+    quality = {f"{m}/{n}": {c: list(v) for c, v in codec_quality(records, m, n).items()} for m, n in cold}
+    return {"cold": list(cold.values()), "warm": list(warm.values()), "codecs": list(codecs.values()), "quality": quality}
+
+
+def _plot(summary: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    series = defaultdict(list)
+    for r in summary["warm"]:
+        series[(r["model"], r["tier"], r["codec"])].append((r["length"], r["speedup"]))
+    for (model, tier, codec), pts in sorted(series.items()):
+        if codec in ("raw", "cachegen"):
+            pts.sort()
+            a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{model} {tier} {codec}")
+    a.axhline(SPEEDUP_GOAL, color="grey", ls="--", lw=1)
+    a.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT speedup (cold / warm)", title="reuse speedup")
+    a.legend(fontsize=7)
+    longest = max((r["length"] for r in summary["codecs"]), default=0)
+    for r in summary["codecs"]:
+        if r["length"] != longest:
+            continue
+        q = summary["quality"].get(f"{r['model']}/{r['length']}", {}).get(r["codec"], [0.0, 0.0, 0.0])
+        b.errorbar(r["bytes_per_token"], q[0], yerr=[[q[0] - q[1]], [q[2] - q[0]]], fmt="o", capsize=3)
+        b.annotate(r["codec"], (r["bytes_per_token"], q[0]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    b.set(xscale="log", xlabel="stored bytes per token", ylabel="Δppl vs raw (%)", title=f"codecs at {longest} tokens")
+    fig.tight_layout()
+    fig.savefig(out / "reuse.png", dpi=120)
+    plt.close(fig)
+
+
+def write_report(out: Path) -> Path:
+    records = read_records(out / "records.jsonl")
+    summary = summarize(records)
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    if summary["warm"]:
+        _plot(summary, out)
+    lines = ["# Reuse: time to first token from stored KV", "",
+             f"Reproduce: `{COMMAND}` (records in `records.jsonl`; see `kvmem/eval/reuse.py` for what is timed).", ""]
+    warm = {(r["model"], r["length"], r["tier"], r["codec"]): r for r in summary["warm"]}
+    tiers = sorted({k[2] for k in warm}, key=["memory", "disk", "redis"].index)
+    codecs = list(dict.fromkeys(k[3] for k in warm))
+    lines += ["## TTFT: cold prefill vs reuse (median of repeats; speedup = cold / warm)", "",
+              "| model | tokens | cold TTFT s | first request with store s | " + " | ".join(f"{t} {c}" for t in tiers for c in codecs) + " |",
+              "|---|---|---|---|" + "---|" * (len(tiers) * len(codecs))]
+    for c in sorted(summary["cold"], key=lambda r: (r["model"], r["length"])):
+        cells = []
+        for t in tiers:
+            for k in codecs:
+                r = warm.get((c["model"], c["length"], t, k))
+                cells.append(f"{r['ttft_s']:.3f} s ({r['speedup']:.0f}×)" if r else "")
+        lines.append(f"| {c['model']} | {c['length']} | {c['ttft_s']:.2f} | {c['with_store_s']:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "Load time broken down (raw codec; the last of the repeats): read, verify + decode, import, prefill of the uncovered tokens.", "",
+              "| model | tokens | tier | reused / computed tokens | read s | decode s | import s | prefill s | page cache dropped |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for (m, n, t, k), r in sorted(warm.items()):
+        if k == "raw":
+            lines.append(f"| {m} | {n} | {t} | {r['reused_tokens']} / {r['computed_tokens']} | {r['read_s']:.3f} | {r['decode_s']:.3f} | {r['import_s']:.3f} | {r['prefill_s']:.3f} | "
+                         f"{'' if r['page_cache_dropped'] is None else r['page_cache_dropped']} |")
+    lines += ["", "## Codecs: bytes per token, speed, quality", "",
+              "| model | tokens | codec | bytes/token | vs raw | vs kivi-8 | encode tok/s | decode tok/s | Δppl vs raw % [95% CI] |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["model"], r["length"], r["codec"]): r for r in summary["codecs"]}
+    for (m, n, k), r in sorted(by.items()):
+        raw, k8 = by.get((m, n, "raw")), by.get((m, n, "quant:kivi-8"))
+        q = summary["quality"].get(f"{m}/{n}", {}).get(k)
+        lines.append(f"| {m} | {n} | {k} | {r['bytes_per_token']:.0f} | {r['bytes'] / raw['bytes']:.3f} | "
+                     f"{r['bytes'] / k8['bytes']:.2f} | {r['encode_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.0f} | "
+                     f"{f'{q[0]:+.2f} [{q[1]:+.2f}, {q[2]:+.2f}]' if q else '(reference)'} |" if raw and k8 else
+                     f"| {m} | {n} | {k} | {r['bytes_per_token']:.0f} | | | | | |")
+    lines += ["", "## Goals", ""]
+    for m, n in sorted({(r["model"], r["length"]) for r in summary["cold"]}):
+        best = max((r["speedup"], r["tier"], r["codec"]) for r in summary["warm"] if (r["model"], r["length"]) == (m, n)
+                   and r["tier"] in ("memory", "disk"))
+        lines.append(f"- {m} at {n} tokens: best TTFT speedup from memory or disk {best[0]:.1f}× ({best[1]}, {best[2]})"
+                     + (f"; goal ≥ {SPEEDUP_GOAL:.0f}× at 8k {'met' if best[0] >= SPEEDUP_GOAL else 'not met'}" if n >= 8192 else ""))
+        cg, k8 = by.get((m, n, "cachegen")), by.get((m, n, "quant:kivi-8"))
+        if cg and k8:
+            q = summary["quality"].get(f"{m}/{n}", {})
+            lines.append(f"  - cachegen holds {cg['bytes'] / k8['bytes']:.2f} of kivi-8's bytes (goal ≤ 0.33: "
+                         f"{'met' if cg['bytes'] / k8['bytes'] <= CACHEGEN_GOAL else 'not met'}); Δppl cachegen "
+                         f"{q.get('cachegen', [float('nan')])[0]:+.2f} % vs kivi-8 {q.get('quant:kivi-8', [float('nan')])[0]:+.2f} %")
+    sem_path = out / "semantic_summary.json"
+    if sem_path.exists():
+        m = json.loads(sem_path.read_text())
+        lines += ["", f"## Semantic lookup with token verification ({m['pairs']} prompt pairs, {m['model']}, chunk {m['chunk']}, "
+                      f"embedder {m['embedder']})", "",
+                  "A document with one question is stored; the same document with another question arrives. Exact chunk reuse "
+                  "gets the common prefix in whole chunks; semantic lookup finds the stored prompt by embedding and reuses "
+                  "the common prefix to the token, verified on token ids.", "",
+                  "| | cold | chunk reuse | semantic lookup |", "|---|---|---|---|",
+                  f"| tokens reused (mean of {m['prompt_tokens']:.0f}; {m['shared_tokens']:.0f} shared) | 0 | {m['chunk_reused']:.0f} | "
+                  f"{m['semantic_reused']:.0f} |",
+                  f"| tokens computed (mean) | {m['computed_cold']:.0f} | {m['computed_chunk']:.0f} | {m['computed_semantic']:.0f} |",
+                  f"| median TTFT s | {m['ttft_cold_s']:.3f} | {m['ttft_chunk_s']:.3f} ({m['speedup_chunk']:.1f}×) | "
+                  f"{m['ttft_semantic_s']:.3f} ({m['speedup_semantic']:.1f}×; lookup {m['lookup_s']:.3f}) |",
+                  f"| greedy answers equal to cold | | {m['chunk_answer_equal']:.0%} | {m['semantic_answer_equal']:.0%} |",
+                  f"| largest logit difference to cold | | {m['max_logit_diff_chunk']:.1e} | {m['max_logit_diff_semantic']:.1e} |"]
+    rag = out.parent / "rag" / "report.md"
+    if rag.exists():
+        lines += ["", "## RAG: documents reused at new positions", "", f"See [`{rag.relative_to(out.parent.parent)}`](../rag/report.md)."]
+    if summary["warm"]:
+        lines += ["", "![reuse](reuse.png)"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return out / "report.md"

@@ -1,0 +1,169 @@
+"""Exact-prefix reuse: load the longest stored prefix of a prompt, prefill only the rest, store what is new.
+
+A prompt is prefilled in chunk-aligned pieces (the store's chunk size; the last piece may be shorter), so
+a run that loads chunks 0..k-1 computes chunks k.. exactly as a run that loaded nothing: with the `raw`
+codec the logits are bit-identical with and without reuse. (A chunked prefill differs from one big
+forward by float rounding only.) After each full chunk is computed, its rows are saved.
+
+A compressed context is stored whole, as one span (`load_span` / `save_span`): its rows depend on every
+token the scorer saw, so it is valid only for exactly those tokens. Its positions and per-head budgets
+come back as they were.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmem.cache import KVCache
+from kvmem.errors import KVMemError
+from kvmem.rows import ExportedRows
+from kvmem.store.store import ChunkStore, Loaded
+
+
+@dataclass
+class ReuseReport:
+    """What a prefill took from the store and what it computed, with the load time broken down."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    chunks_loaded: int = 0
+    chunks_saved: int = 0
+    tiers: Counter = field(default_factory=Counter)
+    bytes_read: int = 0
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    import_s: float = 0.0
+    prefill_s: float = 0.0
+    saved_compute_s: float = 0.0  # what the loaded chunks cost to compute when they were stored
+    span: bool = False  # a whole compressed context came from the store
+    full_kv_bytes: int | None = None  # a loaded compressed context: the bytes it held before compression
+
+    @property
+    def load_s(self) -> float:
+        return self.read_s + self.decode_s + self.import_s
+
+    def summary(self) -> str:
+        if not self.reused_tokens:
+            return f"reused nothing from the store; prefilled {self.computed_tokens} tokens in {self.prefill_s:.2f} s" + (
+                f", stored {self.chunks_saved} chunks" if self.chunks_saved else "")
+        where = ", ".join(f"{n} from {t}" for t, n in self.tiers.items())
+        what = "a compressed context of" if self.span else f"{self.chunks_loaded} chunks,"
+        return (f"reused {self.reused_tokens} of {self.prompt_tokens} prompt tokens ({what} {self.bytes_read / 2**20:.1f} MiB; "
+                f"{where}) in {self.load_s:.3f} s (read {self.read_s:.3f}, decode {self.decode_s:.3f}, import "
+                f"{self.import_s:.3f}); prefilled {self.computed_tokens} tokens in {self.prefill_s:.2f} s; the reused "
+                f"part took {self.saved_compute_s:.2f} s to compute")
+
+    def add_load(self, got: Loaded, tokens: int) -> None:
+        self.reused_tokens += tokens
+        self.tiers[got.tier] += 1
+        self.bytes_read += got.nbytes
+        self.read_s += got.read_s
+        self.decode_s += got.decode_s
+        self.saved_compute_s += got.compute_s or 0.0
+
+
+def chunk_rows(cache: KVCache, start: int, end: int) -> list[ExportedRows]:
+    """Every layer's rows at positions [start, end), copied (full precision, as attention reads them)."""
+    out = []
+    for layer in cache.layers:
+        heads = []
+        for h, (k, v, p) in enumerate(layer.rows.heads()):
+            sel = ((p >= start) & (p < end)).nonzero().flatten()
+            head = {"keys": k.index_select(0, sel).clone(), "values": v.index_select(0, sel).clone(),
+                    "positions": p.index_select(0, sel).clone()}
+            if layer.log_weights is not None:
+                head["log_weights"] = layer.log_weights[h].index_select(0, sel).clone()
+            heads.append(head)
+        out.append(ExportedRows(heads))
+    return out
+
+
+def import_chunks(cache: KVCache, chunks: list[list[ExportedRows]], next_position: int) -> None:
+    """Put the rows of consecutive chunks into an empty cache; decoding continues at `next_position`. A sliding
+    layer keeps what the next token can see (positions > next_position - window), as if it had computed them."""
+    if any(layer.is_initialized for layer in cache.layers):
+        raise KVMemError("stored chunks load into an empty cache only")
+    for l, layer in enumerate(cache.layers):
+        heads = []
+        for h in range(len(chunks[0][l].heads)):
+            parts = [c[l].heads[h] for c in chunks]
+            head = {f: torch.cat([p[f] for p in parts]) for f in parts[0]}
+            if layer.is_sliding:
+                keep = (head["positions"] > next_position - layer.sliding_window).nonzero().flatten()
+                head = {f: t.index_select(0, keep) for f, t in head.items()}
+            heads.append(head)
+        layer.import_rows(ExportedRows(heads), next_position)
+
+
+@torch.no_grad()
+def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_tail: int = 1,
+            report: ReuseReport | None = None) -> tuple[torch.Tensor, ReuseReport]:
+    """Prefill `ids` into the empty `cache` in chunk-aligned pieces, loading the longest stored prefix first (at
+    least `min_tail` tokens are computed: the last token's logits are needed, and a scorer may need the queries
+    of the last tokens) and saving every full chunk computed. Returns the last token's logits and the report."""
+    from kvmem.generate import feed
+
+    ids = list(ids)
+    if not ids:
+        raise KVMemError("nothing to prefill: empty token list")
+    if len(ids) > lm.max_context:
+        raise KVMemError(f"context too long: {len(ids)} tokens > {lm.max_context} that {lm.name} allows")
+    report = report or ReuseReport()
+    report.prompt_tokens = len(ids)
+    n = store.chunk_size if store is not None else len(ids)
+    keys = store.keys(lm, ids) if store is not None else []
+    loaded: list[list[ExportedRows]] = []
+    for i, key in enumerate(keys):
+        if (i + 1) * n > len(ids) - max(min_tail, 1):
+            break
+        got = store.load(lm, key, i * n, n)
+        if got is None:
+            break
+        loaded.append(got.layers)
+        report.add_load(got, n)
+    report.chunks_loaded = len(loaded)
+    start = len(loaded) * n
+    if loaded:
+        t = time.perf_counter()
+        import_chunks(cache, loaded, start)
+        report.import_s = time.perf_counter() - t
+    logits = None
+    t_all = time.perf_counter()
+    for s in range(start, len(ids), n):
+        e = min(s + n, len(ids))
+        t = time.perf_counter()
+        logits = feed(lm, cache, ids[s:e])
+        if store is not None and e - s == n:
+            report.chunks_saved += store.save(lm, keys[s // n], chunk_rows(cache, s, e), s, n,
+                                              compute_s=time.perf_counter() - t)
+    report.prefill_s = time.perf_counter() - t_all
+    report.computed_tokens = len(ids) - start
+    return logits, report
+
+
+def load_span(lm, cache: KVCache, store: ChunkStore, ids: list[int], compression: str,
+              report: ReuseReport) -> bool:
+    """Load the compressed rows stored for exactly the context `ids` into the empty `cache`; False on a miss."""
+    got = store.load(lm, store.span_key(lm, ids, compression), 0, len(ids), compression)
+    if got is None:
+        return False
+    t = time.perf_counter()
+    for layer, rows in zip(cache.layers, got.layers):
+        layer.import_rows(rows, len(ids))
+    report.import_s += time.perf_counter() - t
+    report.add_load(got, len(ids))
+    report.chunks_loaded, report.span, report.prompt_tokens = 1, True, len(ids)
+    report.full_kv_bytes = (got.info or {}).get("full_kv_bytes")
+    return True
+
+
+def save_span(lm, cache: KVCache, store: ChunkStore, ids: list[int], compression: str, compute_s: float,
+              full_kv_bytes: int | None = None) -> bool:
+    """Store the compressed context the cache holds for exactly `ids` (and the bytes it held uncompressed)."""
+    return store.save(lm, store.span_key(lm, ids, compression), chunk_rows(cache, 0, len(ids)), 0, len(ids),
+                      compression, compute_s, {"full_kv_bytes": full_kv_bytes})

@@ -1,0 +1,219 @@
+"""`ChunkStore`: computed KV kept across requests, in tiers, verified on every read.
+
+    store = ChunkStore("memory,disk:///tmp/kvmem", codec="raw", chunk_size=256)
+    keys = store.keys(lm, ids)                      # one per full chunk of ids (keys.py)
+    store.save(lm, keys[0], rows, start=0, tokens=256)
+    rows = store.load(lm, keys[0], start=0, tokens=256)   # list[ExportedRows] per layer, or None
+
+Reads go through the tiers fastest first and promote a hit to the faster tiers. Writes go to every tier
+(`write="through"`) or to the first only (`write="memory"`). What goes wrong never reaches the caller as
+an exception: a tier that cannot be reached (Redis down), is full or read-only is skipped with a
+`StoreWarning` and a counter (`store.stats`), and the caller recomputes. A chunk read back is used only if
+its frame checksum, model fingerprint, tokenizer, codec and codec version, key, token range and row
+layout all match what was asked for; otherwise it is deleted from every tier, counted as `corrupt`, and
+the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import Counter
+
+import torch
+
+from kvmem.errors import KVMemError
+from kvmem.rows import ExportedRows
+from kvmem.store import chunk
+from kvmem.store.codecs import Codec, get_codec
+from kvmem.store.keys import chunk_keys, namespace, span_key
+from kvmem.store.tiers import Tier, parse_stack
+
+FORMAT = 1  # the chunk header's layout
+
+
+class StoreWarning(UserWarning):
+    """Something in the store failed and kvmem recomputed instead (see `ChunkStore.stats`)."""
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer, the sliding window (None for global attention), as KVCache builds its layers."""
+    text = config.get_text_config()
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    return [text.sliding_window if t == "sliding_attention" else None for t in types[:text.num_hidden_layers]]
+
+
+def expected_positions(window: int | None, start: int, end: int) -> range:
+    """The positions of chunk [start, end) an uncompressed layer holds right after computing it: all of them,
+    or on a sliding layer those the next token can still see (positions > end - window)."""
+    return range(max(start, end - window + 1), end) if window else range(start, end)
+
+
+class ChunkStore:
+    def __init__(self, tiers: str | list[Tier], codec: str | Codec = "raw", chunk_size: int = 256,
+                 write: str = "through", retry_s: float = 5.0):
+        if chunk_size < 1:
+            raise KVMemError(f"chunk size must be >= 1 token, got {chunk_size}")
+        if write not in ("through", "memory"):
+            raise KVMemError(f"store write policy {write!r}: use 'through' (every tier) or 'memory' (the first tier only)")
+        self.tiers = parse_stack(tiers) if isinstance(tiers, str) else list(tiers)
+        self.codec = get_codec(codec) if isinstance(codec, str) else codec
+        group = getattr(getattr(self.codec, "scheme", None), "group", 1)
+        if chunk_size % group:
+            raise KVMemError(f"chunk size {chunk_size} is not a multiple of {self.codec.spec}'s group of {group} tokens "
+                             f"(the rest of each chunk would be stored unquantized)")
+        self.chunk_size, self.write, self.retry_s = chunk_size, write, retry_s
+        self.stats: Counter = Counter()
+        self._down_until: dict[int, float] = {}
+        self._codecs: dict[str, Codec] = {}
+
+    def __repr__(self) -> str:
+        return f"ChunkStore({','.join(t.name for t in self.tiers)}, codec={self.codec.spec}, chunk={self.chunk_size})"
+
+    # -- bytes, across tiers ------------------------------------------------------------------------
+    def _usable(self, i: int) -> bool:
+        return self._down_until.get(i, 0.0) <= time.monotonic()
+
+    def _failed(self, i: int, op: str, error: Exception) -> None:
+        self.stats["unavailable"] += 1
+        self._down_until[i] = time.monotonic() + self.retry_s
+        warnings.warn(f"kvmem store: tier {self.tiers[i].name} failed on {op} ({type(error).__name__}: {error}); "
+                      f"skipping it for {self.retry_s:g} s and recomputing instead", StoreWarning, stacklevel=3)
+
+    def get_bytes(self, key: str) -> tuple[bytes | None, str | None]:
+        """The bytes stored under `key` from the fastest tier that has them (promoted to the faster tiers)."""
+        for i, tier in enumerate(self.tiers):
+            if not self._usable(i):
+                continue
+            try:
+                blob = tier.get(key)
+            except Exception as e:  # noqa: BLE001 - any tier failure degrades to a miss
+                self._failed(i, "read", e)
+                continue
+            if blob is None:
+                continue
+            self.stats[f"hit:{tier.name}"] += 1
+            for j in range(i):
+                self._put_one(j, key, blob)
+            return blob, tier.name
+        self.stats["miss"] += 1
+        return None, None
+
+    def _put_one(self, i: int, key: str, blob: bytes) -> bool:
+        if not self._usable(i):
+            return False
+        try:
+            result = self.tiers[i].put(key, blob)
+        except Exception as e:  # noqa: BLE001
+            self._failed(i, "write", e)
+            return False
+        if result != "ok":
+            self.stats[result] += 1
+            warnings.warn(f"kvmem store: tier {self.tiers[i].name} is {result}; chunk {key[:12]} not written there",
+                          StoreWarning, stacklevel=3)
+        return result == "ok"
+
+    def put_bytes(self, key: str, blob: bytes) -> bool:
+        """Write to every tier (write-through) or the first; True if at least one tier took it."""
+        targets = range(len(self.tiers)) if self.write == "through" else range(1)
+        ok = [self._put_one(i, key, blob) for i in targets]
+        self.stats["write"] += any(ok)
+        return any(ok)
+
+    def discard(self, key: str) -> None:
+        for i, tier in enumerate(self.tiers):
+            if self._usable(i):
+                try:
+                    tier.delete(key)
+                except Exception as e:  # noqa: BLE001
+                    self._failed(i, "delete", e)
+
+    # -- chunks of one model ------------------------------------------------------------------------
+    def codec_for(self, lm) -> Codec:
+        if lm.fingerprint not in self._codecs:
+            self._codecs[lm.fingerprint] = self.codec.for_model(lm)
+        return self._codecs[lm.fingerprint]
+
+    def namespace(self, lm, compression: str | None = None) -> str:
+        return namespace(lm.fingerprint, self.codec.spec, self.codec.version, compression, self.chunk_size)
+
+    def keys(self, lm, ids: list[int], compression: str | None = None) -> list[str]:
+        """Chained keys of the full chunks of `ids`."""
+        return chunk_keys(list(ids), self.chunk_size, self.namespace(lm, compression))
+
+    def span_key(self, lm, ids: list[int], compression: str) -> str:
+        """The key of a whole compressed span (valid only for exactly these tokens)."""
+        return span_key(list(ids), self.namespace(lm, compression))
+
+    def _header(self, lm, key: str, start: int, tokens: int, compression: str | None) -> dict:
+        return {"format": FORMAT, "key": key, "model": lm.fingerprint, "tokenizer": lm.tokenizer_id,
+                "codec": self.codec.spec, "codec_version": self.codec.version, "compression": compression,
+                "start": start, "tokens": tokens}
+
+    def save(self, lm, key: str, layers: list[ExportedRows], start: int, tokens: int,
+             compression: str | None = None, compute_s: float | None = None, info: dict | None = None) -> bool:
+        """Encode and write one chunk (the rows of tokens [start, start + tokens) of every layer), with the time it
+        took to compute and any JSON-able `info` the reader gets back."""
+        tensors, meta = self.codec_for(lm).encode(layers)
+        header = self._header(lm, key, start, tokens, compression) | {"codec_meta": meta, "compute_s": compute_s,
+                                                                        "info": info}
+        return self.put_bytes(key, chunk.pack(tensors, header))
+
+    def load(self, lm, key: str, start: int, tokens: int, compression: str | None = None) -> Loaded | None:
+        """The verified rows of one chunk, or None (a miss, or a chunk that failed verification: discarded)."""
+        t0 = time.perf_counter()
+        blob, tier = self.get_bytes(key)
+        if blob is None:
+            return None
+        t1 = time.perf_counter()
+        try:
+            tensors, header = chunk.unpack(blob)
+            want = self._header(lm, key, start, tokens, compression)
+            wrong = [f"{k} is {header.get(k)!r}, expected {v!r}" for k, v in want.items() if header.get(k) != v]
+            if wrong:
+                raise chunk.CorruptChunk("; ".join(wrong))
+            layers = self.codec_for(lm).decode(tensors, header.get("codec_meta") or {})
+            _check_rows(lm, layers, start, start + tokens, exact=compression is None)
+        except KVMemError as e:
+            self.stats["corrupt"] += 1
+            warnings.warn(f"kvmem store: chunk {key[:12]} from {tier} discarded ({e}); recomputing", StoreWarning,
+                          stacklevel=2)
+            self.discard(key)
+            return None
+        return Loaded(layers, tier, len(blob), t1 - t0, time.perf_counter() - t1, header.get("compute_s"),
+                      header.get("info"))
+
+
+class Loaded:
+    """A verified chunk: its rows per layer, where it came from, its size, and the read and decode times."""
+
+    def __init__(self, layers: list[ExportedRows], tier: str, nbytes: int, read_s: float, decode_s: float,
+                 compute_s: float | None, info: dict | None = None):
+        self.layers, self.tier, self.nbytes, self.read_s, self.decode_s, self.compute_s, self.info = (
+            layers, tier, nbytes, read_s, decode_s, compute_s, info)
+
+
+def _check_rows(lm, layers: list[ExportedRows], start: int, end: int, exact: bool) -> None:
+    """Decoded rows fit this model and this token range (`exact`: every position an uncompressed layer holds)."""
+    text = lm.config.get_text_config()
+    windows = layer_windows(lm.config)
+    kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if len(layers) != len(windows):
+        raise chunk.CorruptChunk(f"{len(layers)} layers, the model has {len(windows)}")
+    for l, (rows, window) in enumerate(zip(layers, windows)):
+        if len(rows.heads) != kv_heads:
+            raise chunk.CorruptChunk(f"layer {l}: {len(rows.heads)} KV heads, the model has {kv_heads}")
+        want = expected_positions(window, start, end) if exact else None
+        for h, head in enumerate(rows.heads):
+            k, v, p = head["keys"], head["values"], head["positions"]
+            if k.dim() != 2 or k.shape[1] != head_dim or v.shape[0] != k.shape[0] or p.shape != (k.shape[0],):
+                raise chunk.CorruptChunk(f"layer {l} head {h}: keys {tuple(k.shape)}, values {tuple(v.shape)}, "
+                                         f"positions {tuple(p.shape)} (head_dim {head_dim})")
+            if p.dtype != torch.int32 or (p.numel() and (int(p.min()) < start or int(p.max()) >= end)) or (
+                    p.numel() > 1 and not bool((p[1:] > p[:-1]).all())):
+                raise chunk.CorruptChunk(f"layer {l} head {h}: positions outside [{start}, {end}) or not increasing")
+            if want is not None and (p.numel() != len(want) or (p.numel() and (int(p[0]) != want.start or int(p[-1]) != want.stop - 1))):
+                raise chunk.CorruptChunk(f"layer {l} head {h}: {p.numel()} rows, an uncompressed chunk holds {len(want)}")
+            if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+                raise chunk.CorruptChunk(f"layer {l} head {h}: non-finite keys or values")

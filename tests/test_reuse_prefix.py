@@ -1,0 +1,73 @@
+"""Exact-prefix reuse on the real models: raw reuse is bit-identical, a compressed context comes back with
+its positions and budgets, scorers that need the prefill's queries get them computed, and the CLI says what
+it reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvmem.cache import KVCache
+from kvmem.cli import app
+from kvmem.eval.tasks import load_abstracts
+from kvmem.generate import answer
+from kvmem.prompts import build_prompt
+from kvmem.reuse import prefill
+from kvmem.store import ChunkStore
+
+torch.set_num_threads(2)
+DOC = " ".join(load_abstracts()[:5])
+FACT = " The vault code of the Orion lab is 4471."
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_raw_prefix_reuse_is_bit_identical_on_real_models(model, request):
+    lm = request.getfixturevalue(model)
+    prompt = build_prompt(lm.tokenizer, DOC[:2500] + FACT, "What is the vault code of the Orion lab?")
+    store = ChunkStore("memory", chunk_size=128)
+    cold = prefill(lm, KVCache(lm.model.config), prompt.ids, store)
+    warm = prefill(lm, KVCache(lm.model.config), prompt.ids, store)
+    assert cold[1].reused_tokens == 0 and warm[1].reused_tokens == len(prompt.ids) // 128 * 128 - (
+        128 if len(prompt.ids) % 128 == 0 else 0)
+    assert torch.equal(cold[0], warm[0])
+    plain = prefill(lm, KVCache(lm.model.config), prompt.ids, None)[0]  # one forward: equal up to float rounding
+    assert torch.allclose(plain, warm[0], atol=1e-3) and int(plain.argmax()) == int(warm[0].argmax())
+
+
+def test_answer_reuses_raw_and_compressed_contexts(smollm2, tmp_path):
+    lm = smollm2
+    store = ChunkStore(f"memory,disk://{tmp_path}", chunk_size=128)
+    q = "What is the vault code of the Orion lab?"
+    first = answer(lm, DOC[:2500] + FACT, q, "full", 1.0, max_new_tokens=8, store=store)
+    second = answer(lm, DOC[:2500] + FACT, q, "full", 1.0, max_new_tokens=8, store=store)
+    assert first.reuse.reused_tokens == 0 and second.reuse.reused_tokens > 400
+    assert second.tokens == first.tokens
+    # a context compressed before its question: stored whole, reused whole, for another question
+    a = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.25, max_new_tokens=8, store=store)
+    assert 0 < a.reuse.reused_tokens < a.reuse.prompt_tokens and not a.reuse.span  # its raw prefix came from the store
+    b = answer(lm, DOC[:2500] + FACT, "Who wrote it?", "snapkv", 0.25, max_new_tokens=8, store=store)
+    assert b.reuse.span and b.reuse.reused_tokens == len(build_prompt(lm.tokenizer, DOC[:2500] + FACT, q).context)
+    assert b.kv_bytes_full == a.kv_bytes_full  # what the stored context was cut from
+    c = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.25, max_new_tokens=8, store=store)
+    assert c.reuse.span and c.tokens == a.tokens  # budgets and positions kept: the same answer, the same rows
+    assert (c.kv_bytes, c.tokens_held) == (a.kv_bytes, a.tokens_held)
+    # another keep ratio is another compression: not found under this one's keys
+    d = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.5, max_new_tokens=8, store=store)
+    assert not d.reuse.span
+    # a scorer that accumulates the whole prefill's attention cannot start from loaded rows
+    h = answer(lm, DOC[:2500] + FACT, q, "h2o", 0.25, max_new_tokens=8, store=store)
+    assert h.reuse.reused_tokens == 0
+
+
+def test_generate_twice_says_what_it_reused(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC[:2500] + FACT)
+    args = ["generate", "--context-file", str(doc), "--prompt", "What is the vault code of the Orion lab?", "--method", "full",
+            "--keep-ratio", "1", "--store", f"disk://{tmp_path}/store", "--max-new-tokens", "8"]
+    first = CliRunner().invoke(app, args)
+    second = CliRunner().invoke(app, args)
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    assert "reused nothing" in first.output and "stored" in first.output
+    assert "reused 512 of" in second.output and "took" in second.output
+    assert first.output.splitlines()[0] == second.output.splitlines()[0]  # the same answer

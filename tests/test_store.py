@@ -1,0 +1,306 @@
+"""The chunk store: keys, tiers (memory, disk, a real Redis), the verified frame, failures that degrade to
+recompute, concurrency across processes, and a property test that a store returns what was put or nothing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_model
+from kvmem.cache import KVCache
+from kvmem.errors import KVMemError
+from kvmem.models import LoadedModel
+from kvmem.reuse import prefill
+from kvmem.store import ChunkStore, StoreWarning, chunk, get_codec
+from kvmem.store.keys import chunk_keys, namespace
+from kvmem.store.tiers import DiskTier, MemoryTier, RedisTier, parse_stack
+
+torch.set_num_threads(1)
+
+
+class Vocab:
+    def __init__(self, n: int = 128, shift: int = 0):
+        self.n, self.shift = n, shift
+
+    def get_vocab(self):
+        return {f"t{i + self.shift}": i for i in range(self.n)}
+
+
+def tiny_lm(kind: str = "llama", fingerprint: str | None = None, vocab_shift: int = 0) -> LoadedModel:
+    return LoadedModel(f"tiny-{kind}", tiny_model(kind), Vocab(shift=vocab_shift), fingerprint or f"tiny-{kind}", 512)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_lm()
+
+
+IDS = torch.randint(1, 128, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def run(lm, store, ids=IDS):
+    cache = KVCache(lm.model.config)
+    logits, report = prefill(lm, cache, ids, store)
+    return logits, report, cache
+
+
+# -- keys ----------------------------------------------------------------------------------------------
+def test_keys_chain_over_the_whole_prefix_and_agree_across_processes():
+    ns = namespace("m", "raw", 1, None, 16)
+    a = chunk_keys(IDS, 16, ns)
+    assert len(a) == 90 // 16
+    changed = chunk_keys(IDS[:40] + [0] + IDS[41:], 16, ns)  # token 40 lies in chunk 2
+    assert changed[:2] == a[:2] and all(x != y for x, y in zip(changed[2:], a[2:]))
+    for other in (namespace("m2", "raw", 1, None, 16), namespace("m", "raw", 2, None, 16), namespace("m", "quant:kivi-8", 1, None, 16),
+                  namespace("m", "raw", 1, "snapkv@0.5", 16)):
+        assert not set(chunk_keys(IDS, 16, other)) & set(a)
+    code = f"from kvmem.store.keys import chunk_keys, namespace; print(chunk_keys({IDS!r}, 16, namespace('m', 'raw', 1, None, 16))[-1])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | {"PYTHONHASHSEED": "123"})
+    assert out.stdout.strip() == a[-1]
+
+
+# -- reuse is exact, and a damaged chunk is recomputed -----------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_raw_reuse_is_bit_identical(kind):
+    lm = tiny_lm(kind)
+    store = ChunkStore("memory", chunk_size=16)
+    cold, r0, c0 = run(lm, store)
+    warm, r1, c1 = run(lm, store)
+    assert r0.reused_tokens == 0 and r0.chunks_saved == 5
+    assert r1.reused_tokens == 80 and r1.computed_tokens == 10
+    assert torch.equal(cold, warm)
+    for a, b in zip(c0.layers, c1.layers):  # sliding layers (gemma) hold the same window
+        assert a.lengths() == b.lengths() and a.compressed == b.compressed == False  # noqa: E712
+        assert all(torch.equal(x, y) for x, y in zip(a.head_keys, b.head_keys))
+    longer, r2, _ = run(lm, store, IDS + [3, 4, 5])
+    _, _, c3 = run(lm, None, IDS + [3, 4, 5])
+    assert r2.reused_tokens == 80
+    ref = KVCache(lm.model.config)
+    ref_logits, _ = prefill(lm, ref, IDS + [3, 4, 5], ChunkStore("memory", chunk_size=16))
+    assert torch.equal(longer, ref_logits)
+
+
+def _damage(kind: str, lm, store: ChunkStore, key: str) -> None:
+    tier = store.tiers[0]
+    blob = tier.get(key)
+    if kind == "truncated":
+        blob = blob[:len(blob) // 2]
+    elif kind == "flipped byte":
+        blob = bytearray(blob)
+        blob[len(blob) - 100] ^= 0x01
+        blob = bytes(blob)
+    elif kind in ("other model", "other tokenizer", "old codec version"):
+        other = tiny_lm(fingerprint="another-model" if kind == "other model" else lm.fingerprint,
+                        vocab_shift=1 if kind == "other tokenizer" else 0)
+        other_store = ChunkStore([MemoryTier()], chunk_size=16)
+        if kind == "old codec version":
+            other_store.codec = type(store.codec)()
+            other_store.codec.version = 0
+        _, _, cache = run(other, other_store)
+        from kvmem.reuse.prefix import chunk_rows
+
+        tensors, meta = other_store.codec.encode(chunk_rows(cache, 0, 16))
+        header = other_store._header(other, key, 0, 16, None) | {"codec_meta": meta}
+        blob = chunk.pack(tensors, header)  # a well-formed chunk, but not this model's / tokenizer's / codec's
+    elif kind == "wrong rows":
+        tensors, header = chunk.unpack(blob)
+        tensors["0.0.keys"] = tensors["0.0.keys"][:-1].clone()
+        blob = chunk.pack(tensors, header)  # checksum fine, rows short
+    tier.put(key, blob)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "flipped byte", "other model", "other tokenizer", "old codec version", "wrong rows"])
+def test_a_damaged_chunk_is_detected_and_recomputed(lm, kind):
+    reference, _, _ = run(lm, ChunkStore("memory", chunk_size=16))
+    store = ChunkStore("memory", chunk_size=16)
+    run(lm, store)
+    key = store.keys(lm, IDS)[2]
+    _damage(kind, lm, store, key)
+    with pytest.warns(StoreWarning, match="discarded"):
+        logits, report, _ = run(lm, store)
+    assert store.stats["corrupt"] == 1
+    assert report.reused_tokens == 32  # chunks 0 and 1; chunk 2 was recomputed (and stored again)
+    assert torch.equal(logits, reference)
+    _, again, _ = run(lm, store)
+    assert again.reused_tokens == 80
+
+
+# -- failures degrade to recompute ---------------------------------------------------------------------
+def test_unreachable_redis_degrades_to_recompute(lm):
+    reference, _, _ = run(lm, None)
+    store = ChunkStore("redis://127.0.0.1:1/0", chunk_size=16)  # nothing listens on port 1
+    with pytest.warns(StoreWarning, match="failed"):
+        logits, report, _ = run(lm, store)
+    assert report.reused_tokens == 0 and store.stats["unavailable"] >= 1
+    assert torch.allclose(logits, reference, atol=1e-5)
+
+
+def test_full_and_read_only_tiers_degrade(lm, tmp_path):
+    store = ChunkStore([MemoryTier(max_bytes=1000), DiskTier(tmp_path, readonly=True)], chunk_size=16)
+    with pytest.warns(StoreWarning):
+        _, report, _ = run(lm, store)
+    assert store.stats["full"] == 5 and store.stats["read-only"] == 5 and report.chunks_saved == 0
+    small = MemoryTier(max_bytes=3 * 10000)
+    store = ChunkStore([small], chunk_size=16)
+    run(lm, store)
+    assert small.nbytes <= small.max_bytes and 0 < len(small) < 5  # the LRU kept what fits
+
+
+def test_redis_killed_in_the_middle_of_a_run(lm, redis_server):
+    reference, _, _ = run(lm, ChunkStore("memory", chunk_size=16))
+    store = ChunkStore(f"memory,{redis_server.url}", chunk_size=16)
+    run(lm, store)
+    fresh = ChunkStore(redis_server.url, chunk_size=16)  # another process's view: everything comes from Redis
+    logits, report, _ = run(lm, fresh)
+    assert report.reused_tokens == 80 and torch.equal(logits, reference)
+    redis_server.kill()
+    try:
+        with pytest.warns(StoreWarning, match="failed"):
+            logits, report, _ = run(lm, ChunkStore(redis_server.url, chunk_size=16))
+        assert report.reused_tokens == 0 and torch.equal(logits, reference)
+        longer = IDS + list(range(1, 21))  # one more full chunk to write: the write to Redis fails, memory takes it
+        expected, _, _ = run(lm, ChunkStore("memory", chunk_size=16), longer)
+        with pytest.warns(StoreWarning, match="failed"):
+            logits, report, _ = run(lm, store, longer)
+        assert report.reused_tokens == 80 and report.chunks_saved == 1 and torch.equal(logits, expected)
+    finally:
+        redis_server.start()
+
+
+def test_bad_store_specs_are_named_errors():
+    for spec, match in (("ftp://x", "unknown store tier"), ("disk://", "names no folder"), ("memory?max=lots", "not a size"),
+                        ("memory?size=1", "unknown option")):
+        with pytest.raises(KVMemError, match=match):
+            parse_stack(spec)
+    with pytest.raises(KVMemError, match="unknown codec"):
+        get_codec("zip")
+    with pytest.raises(KVMemError, match="chunk size"):
+        ChunkStore("memory", chunk_size=0)
+    with pytest.raises(KVMemError, match="not a multiple of quant:kivi-8's group of 32"):
+        ChunkStore("memory", codec="quant:kivi-8", chunk_size=48)
+
+
+def test_quant_codec_reuse_is_close_and_smaller(lm):
+    raw, kivi = ChunkStore("memory", chunk_size=32), ChunkStore("memory", codec="quant:kivi-8:group=16", chunk_size=32)
+    reference, _, _ = run(lm, raw)
+    run(lm, kivi)
+    logits, report, _ = run(lm, kivi)
+    assert report.reused_tokens == 64
+    assert not torch.equal(logits, reference) and torch.allclose(logits, reference, atol=0.05)
+    assert kivi.tiers[0].nbytes < 0.6 * raw.tiers[0].nbytes  # 8 bits, and a scale and zero-point per 16 values
+
+
+# -- concurrency across processes ----------------------------------------------------------------------
+def _writer(root: str, key: str, n: int, seed: int) -> None:
+    tier = DiskTier(root)
+    for i in range(n):
+        payload = torch.full((1000 + 97 * ((seed + i) % 7),), seed, dtype=torch.int32)
+        tier.put(key, chunk.pack({"x": payload}, {"writer": seed}))
+
+
+def _reader(root: str, key: str, n: int, queue) -> None:
+    _read_while_written(DiskTier(root), key, n, queue)
+
+
+def _read_while_written(tier, key: str, n: int, queue) -> None:
+    """Read until `n` chunks were seen (writers start later than readers) or 60 s; count any that is not whole."""
+    import time
+
+    bad, seen, deadline = 0, 0, time.monotonic() + 60
+    while seen < n and time.monotonic() < deadline:
+        blob = tier.get(key)
+        if blob is None:
+            continue
+        seen += 1
+        try:
+            tensors, header = chunk.unpack(blob)
+            bad += int(not bool((tensors["x"] == header["writer"]).all()))
+        except KVMemError:
+            bad += 1
+    queue.put((seen, bad))
+
+
+@pytest.mark.parametrize("backend", ["disk", "redis"])
+def test_concurrent_writers_and_readers_see_whole_chunks(tmp_path, backend, redis_server):
+    key = "ab" * 20
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    if backend == "disk":
+        writers = [ctx.Process(target=_writer, args=(str(tmp_path), key, 60, s)) for s in range(3)]
+        readers = [ctx.Process(target=_reader, args=(str(tmp_path), key, 100, queue)) for _ in range(2)]
+    else:
+        writers = [ctx.Process(target=_redis_writer, args=(redis_server.url, key, 60, s)) for s in range(3)]
+        readers = [ctx.Process(target=_redis_reader, args=(redis_server.url, key, 100, queue)) for _ in range(2)]
+    for p in writers + readers:
+        p.start()
+    for p in writers + readers:
+        p.join(120)
+        assert p.exitcode == 0
+    results = [queue.get(timeout=10) for _ in readers]
+    assert sum(seen for seen, _ in results) > 0 and sum(bad for _, bad in results) == 0
+    if backend == "disk":
+        assert not list(tmp_path.glob("**/*.tmp"))  # no temporary file left behind
+
+
+def _redis_writer(url, key, n, seed):
+    tier = RedisTier(url)
+    for i in range(n):
+        payload = torch.full((1000 + 97 * ((seed + i) % 7),), seed, dtype=torch.int32)
+        tier.put(key, chunk.pack({"x": payload}, {"writer": seed}))
+
+
+def _redis_reader(url, key, n, queue):
+    _read_while_written(RedisTier(url), key, n, queue)
+
+
+# -- property: a stack returns what was put, or nothing --------------------------------------------------
+KEYS = [f"{i:02x}" * 20 for i in range(6)]
+OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "delete", "evict-memory"]), st.sampled_from(KEYS),
+                         st.binary(min_size=0, max_size=3000)), min_size=1, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS, write=st.sampled_from(["through", "memory"]))
+def test_any_sequence_of_operations_returns_the_bytes_put_or_a_miss(tmp_path_factory, redis_server, ops, write):
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushdb()
+    memory = MemoryTier(max_bytes=5000)  # small: the LRU evicts as it goes
+    tiers = [memory, DiskTier(tmp_path_factory.mktemp("disk"), max_bytes=8000), RedisTier(redis_server.url)]
+    store = ChunkStore(tiers, write=write)
+    latest: dict[str, bytes] = {}  # writes go to every tier they go to, so no tier holds an older value
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StoreWarning)
+        for op, key, blob in ops:
+            if op == "put":
+                store.put_bytes(key, blob)
+                latest[key] = blob
+            elif op == "delete":
+                store.discard(key)
+                latest.pop(key, None)
+            elif op == "evict-memory":
+                memory.delete(key)
+            else:
+                got, _ = store.get_bytes(key)
+                assert got is None or got == latest.get(key)
+
+
+def test_reads_promote_and_writes_follow_the_policy(lm, tmp_path):
+    memory, disk = MemoryTier(), DiskTier(tmp_path / "d")
+    run(lm, ChunkStore([disk], chunk_size=16))  # only on disk
+    store = ChunkStore([memory, disk], chunk_size=16)
+    _, report, _ = run(lm, store)
+    assert report.tiers == {disk.name: 5} and len(memory) == 5  # read from disk, promoted to memory
+    _, report, _ = run(lm, store)
+    assert report.tiers == {"memory": 5}
+    memory_only = ChunkStore([MemoryTier(), DiskTier(tmp_path / "e")], chunk_size=16, write="memory")
+    run(lm, memory_only)
+    assert len(memory_only.tiers[0]) == 5 and not list((tmp_path / "e").glob("**/*.kvc"))
