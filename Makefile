@@ -75,8 +75,9 @@ bench-quant: setup
 REUSE_CODECS := raw,quant:kivi-8,quant:kivi-4,quant:kivi-2,cachegen
 
 bench-reuse: setup redis
-	$(KVMEM) eval --suite reuse --models smollm2-135m --lengths 1024,4096,8192 --codecs $(REUSE_CODECS) --threads 1 --out results/reuse
+	$(KVMEM) eval --suite reuse --models smollm2-135m --lengths 1024,4096,8192 --codecs $(REUSE_CODECS) --samples 10 --threads 1 --out results/reuse
 	$(KVMEM) eval --suite rag --models smollm2-135m --methods full,none,cacheblend,infoflow,infoflow-inorder --ratios 0.05,0.15,0.3 --samples 25 --threads 1 --out results/rag
+	$(PY) -c "from kvmem.eval.reuse_report import update_readme, write_report; write_report(__import__('pathlib').Path('results/reuse')); update_readme()"
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first 10 samples a task.

@@ -211,3 +211,34 @@ def test_rag_samples_and_report(tmp_path):
     assert (tmp_path / "score_vs_compute.png").stat().st_size > 0
     with pytest.raises(KVMemError, match="unknown reuse methods"):
         rag.run_rag(methods=["prefix"], out=tmp_path)
+
+
+def test_documents_are_kept_in_the_store_and_verified(tiny_llama4):
+    import warnings
+
+    from kvmem.reuse.blend import document_key, load_document, precomputed
+    from kvmem.store import ChunkStore, StoreWarning
+
+    class Vocab:
+        def get_vocab(self):
+            return {str(i): i for i in range(128)}
+
+    lm = LoadedModel("tiny4", tiny_llama4.model, Vocab(), "tiny4", 512)
+    head, docs, question = _prompt()
+    store = ChunkStore("memory", chunk_size=16)
+    first = [precomputed(store, lm, d, head) for d in docs]
+    again = [load_document(store, lm, d, head) for d in docs]
+    assert all(a is not None and all(torch.equal(x["keys"], y["keys"]) for r, q in zip(a.layers, f.layers)
+                                     for x, y in zip(r.heads, q.heads)) for a, f in zip(again, first))
+    assert load_document(store, lm, docs[0], head[:-1]) is None  # another head: another key
+    ref = assemble_and_answer(lm, head, first, question, "cacheblend", 0.3, max_new_tokens=0)
+    got = assemble_and_answer(lm, head, again, question, "cacheblend", 0.3, max_new_tokens=0)
+    assert torch.equal(ref.logits, got.logits)
+    key = document_key(store, lm, docs[1], head)
+    blob = bytearray(store.tiers[0].get(key))
+    blob[-5] ^= 0x10
+    store.tiers[0].put(key, bytes(blob))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert load_document(store, lm, docs[1], head) is None
+    assert any(issubclass(w.category, StoreWarning) for w in seen)

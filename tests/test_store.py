@@ -304,3 +304,27 @@ def test_reads_promote_and_writes_follow_the_policy(lm, tmp_path):
     memory_only = ChunkStore([MemoryTier(), DiskTier(tmp_path / "e")], chunk_size=16, write="memory")
     run(lm, memory_only)
     assert len(memory_only.tiers[0]) == 5 and not list((tmp_path / "e").glob("**/*.kvc"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_a_context_tail_is_reused_for_another_question(kind):
+    lm = tiny_lm(kind)
+    doc, q1, q2 = IDS[:70], [5, 6, 7, 8], [9, 10, 11]  # 70 = 4 chunks of 16 + a tail of 6
+    store = ChunkStore("memory", chunk_size=16)
+    _, first = prefill(lm, KVCache(lm.model.config), doc + q1, store, context_end=len(doc))
+    assert first.chunks_saved == 5  # 4 chunks and the context's tail
+    warm, second = prefill(lm, KVCache(lm.model.config), doc + q2, store, context_end=len(doc))
+    assert second.reused_tokens == 70 and second.computed_tokens == 3
+    cold, _ = prefill(lm, KVCache(lm.model.config), doc + q2, ChunkStore("memory", chunk_size=16), context_end=len(doc))
+    assert torch.equal(warm, cold)  # the same pieces computed: bit-identical
+    # another context with the same first 64 tokens: its full chunks are found, its tail is not
+    _, other = prefill(lm, KVCache(lm.model.config), doc[:66] + [1, 2, 3, 4] + q2, store, context_end=70)
+    assert other.reused_tokens == 64
+    # a damaged tail is detected and recomputed
+    key = store.span_key(lm, doc, "context-tail")
+    blob = bytearray(store.tiers[0].get(key))
+    blob[-10] ^= 0xFF
+    store.tiers[0].put(key, bytes(blob))
+    with pytest.warns(StoreWarning, match="discarded"):
+        again, third = prefill(lm, KVCache(lm.model.config), doc + q2, store, context_end=len(doc))
+    assert third.reused_tokens == 64 and torch.equal(again, cold)

@@ -165,7 +165,7 @@ def eval_(
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
     raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
-    parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks)."),
+    parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks); reuse: ttft, tasks, semantic (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens)."),
     codecs: Optional[str] = typer.Option(None, help="reuse: comma-separated store codecs (default: raw, quant:kivi-8/4/2, cachegen)."),
 ) -> None:
@@ -203,8 +203,10 @@ def eval_(
     if suite == "reuse":
         from kvmem.eval.reuse import DEFAULT_CODECS, ReuseConfig, run_reuse
 
+        chosen = [p for p in _csv(parts) if p in ("ttft", "tasks", "semantic")]
         cfg = ReuseConfig(models=_csv(models), lengths=_csv(lengths, int), codecs=_csv(codecs) if codecs else list(DEFAULT_CODECS),
-                          out=out or Path("results/reuse"), threads=threads)
+                          out=out or Path("results/reuse"), threads=threads, task_samples=samples,
+                          parts=tuple(chosen or ("ttft", "tasks", "semantic")))
         path = run_reuse(cfg, log=console.print)
         console.print(f"report: {path}")
         return

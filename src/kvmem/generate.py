@@ -212,10 +212,10 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
     # a scorer that reads the last queries (or all attention) must see them computed, not loaded
     min_tail = len(ctx) + len(q) if m.needs_attention else m.observe_window + 1
     if not compressing:
-        logits, report = prefill(lm, cache, ctx + q, store)
+        logits, report = prefill(lm, cache, ctx + q, store, context_end=len(ctx))
         return logits, cache.kv_bytes(), report
     if query_aware:  # the question is compressed with the context: only the raw prefix can be reused
-        _, report = prefill(lm, cache, ctx + q[:-1], store, min_tail=min_tail)
+        _, report = prefill(lm, cache, ctx + q[:-1], store, min_tail=min_tail, context_end=len(ctx))
         full_bytes = cache.kv_bytes()
         compress(cache, m, keep_ratio, protect_from=len(ctx), context=ModelContext(lm, ctx, prompt.head))
         cache.drop_observations()
@@ -226,7 +226,7 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
         full_bytes = report.full_kv_bytes
     else:
         t = time.perf_counter()
-        _, report = prefill(lm, cache, ctx, store, min_tail=min(min_tail, len(ctx)), report=report)
+        _, report = prefill(lm, cache, ctx, store, min_tail=min(min_tail, len(ctx)), report=report, context_end=len(ctx))
         full_bytes = cache.kv_bytes()
         compress(cache, m, keep_ratio, context=ModelContext(lm, ctx, prompt.head))
         # what computing this compressed context costs from scratch: the reused raw prefix's cost included

@@ -8,8 +8,9 @@ A prompt of `length` tokens is a document (`length` - 64 tokens) and a question.
 * `cold`: a request with nothing stored: one prefill forward of the whole prompt (what kvmem does without a
   store), and the chunked prefill that also encodes and writes every chunk (what the first request costs with
   a store).
-* `warm`: the same document with another question, every (tier, codec): the longest stored prefix is read,
-  verified, decoded and imported, the rest prefilled; TTFT is until the first token's logits, the median of
+* `warm`: the same document with another question, every (tier, codec): the document's stored chunks and its
+  partial last chunk (stored under a key of exactly the document, `prefill(context_end=...)`) are read, verified,
+  decoded and imported, the question prefilled; TTFT is until the first token's logits, the median of
   `repeats` runs, broken down into read / decode / import / prefill. Disk is read with the OS page cache
   dropped first where the process may (root), so it reads the device; the record says which.
 * `semantic`: semantic lookup with token verification against exact chunk reuse (`kvmem/eval/semantic.py`).
@@ -35,7 +36,7 @@ from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
 from kvmem.eval.quant import _append, delta_ppl, read_records, token_nlls
 from kvmem.generate import feed
-from kvmem.reuse.prefix import chunk_rows, prefill
+from kvmem.reuse.prefix import TAIL, chunk_rows, prefill
 from kvmem.store import ChunkStore
 from kvmem.store.tiers import DiskTier, LocalRedis, MemoryTier, RedisTier
 
@@ -56,7 +57,11 @@ class ReuseConfig:
     continuation: int = 256
     out: Path = Path("results/reuse")
     threads: int = 1
-    semantic_pairs: int = 20  # the semantic-lookup part (kvmem/eval/semantic.py) on the first model; 0: skipped
+    parts: tuple[str, ...] = ("ttft", "tasks", "semantic")
+    semantic_pairs: int = 20  # pairs of prompts in the semantic-lookup part (kvmem/eval/semantic.py), first model only
+    task_samples: int = 10  # per usable long-context task, answered from a prefix stored with each codec
+    task_length: int = 2048
+    bench: Path = Path("results/longctx")  # the suite whose usable tasks are used
 
     def validate(self) -> None:
         from kvmem.store import get_codec
@@ -65,6 +70,8 @@ class ReuseConfig:
             get_codec(c)
         if unknown := set(self.tiers) - set(TIERS):
             raise KVMemError(f"unknown tier(s) {sorted(unknown)}; the benchmark times {', '.join(TIERS)}")
+        if unknown := set(self.parts) - {"ttft", "tasks", "semantic"}:
+            raise KVMemError(f"unknown reuse part(s) {sorted(unknown)}; the parts are ttft, tasks, semantic")
         if "raw" not in self.codecs:
             raise KVMemError("the reuse benchmark needs the raw codec (the reference for every lossy one)")
 
@@ -83,8 +90,7 @@ QUESTION_ROOM = 64  # a prompt of `length` tokens: the document, then up to this
 
 def _document(lm, length: int) -> tuple[list[int], list[int]]:
     """A document of `length - QUESTION_ROOM` tokens of held-out text (so document and question fit `length`, e.g.
-    the model's 8192) and the continuation after it (the quant benchmark's texts). Its last partial chunk is not
-    stored and is recomputed, with the question, by every warm request: a typical case, not the best one."""
+    the model's 8192) and the continuation after it (the quant benchmark's texts)."""
     from kvmem.eval.quant import ppl_texts
 
     n = length - QUESTION_ROOM
@@ -99,6 +105,26 @@ def _median_run(fn, repeats: int) -> tuple[float, object]:
         last = fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times), last
+
+
+def document_pieces(cache: KVCache, end: int, n: int) -> list[tuple[int, int, list]]:
+    """(start, tokens, rows) of the full chunks of [0, end) and of its partial last chunk."""
+    out = [(i * n, n, chunk_rows(cache, i * n, (i + 1) * n)) for i in range(end // n)]
+    if end % n:
+        out.append((end // n * n, end % n, chunk_rows(cache, end // n * n, end)))
+    return out
+
+
+def save_document(lm, store: ChunkStore, doc: list[int], prompt: list[int], pieces) -> list[tuple]:
+    """Write a document's pieces as `prefill(prompt, context_end=len(doc))` would; returns (key, start, tokens,
+    compression) of each."""
+    keys = store.keys(lm, prompt)
+    entries = []
+    for start, n, rows in pieces:
+        key, compression = (keys[start // store.chunk_size], None) if n == store.chunk_size else (store.span_key(lm, doc, TAIL), TAIL)
+        store.save(lm, key, rows, start, n, compression)
+        entries.append((key, start, n, compression))
+    return entries
 
 
 @torch.no_grad()
@@ -116,12 +142,12 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
     raw_store = ChunkStore([raw_tier], "raw", cfg.chunk_size)
     cache = KVCache(lm.model.config)
     t = time.perf_counter()
-    _, first_report = prefill(lm, cache, first, raw_store)
+    _, first_report = prefill(lm, cache, first, raw_store, context_end=len(doc))
     cold_store_s = time.perf_counter() - t
-    _append(path, base | dict(kind="cold", ttft_s=cold_s, with_store_s=cold_store_s, prompt_tokens=len(second)))
+    _append(path, base | dict(kind="cold", ttft_s=cold_s, with_store_s=cold_store_s, prompt_tokens=len(second),
+                              document_tokens=len(doc)))
     log(f"{model} {length}: cold TTFT {cold_s:.2f} s; first request with a store {cold_store_s:.2f} s")
-    n_chunks = len(doc) // cfg.chunk_size
-    rows = [chunk_rows(cache, i * cfg.chunk_size, (i + 1) * cfg.chunk_size) for i in range(n_chunks)]
+    pieces = document_pieces(cache, len(doc), cfg.chunk_size)
     del cache
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-") as tmp:
         for codec in cfg.codecs:
@@ -131,20 +157,17 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
             if "redis" in cfg.tiers and redis_url:
                 tiers["redis"] = RedisTier(redis_url)
             writer = ChunkStore(list(tiers.values()), codec, cfg.chunk_size)
-            keys = writer.keys(lm, first)
             t = time.perf_counter()
-            for i, r in enumerate(rows):
-                writer.save(lm, keys[i], r, i * cfg.chunk_size, cfg.chunk_size)
+            entries = save_document(lm, writer, doc, first, pieces)
             write_s = time.perf_counter() - t
             nbytes = tiers["memory"].nbytes
             t = time.perf_counter()
-            for i in range(n_chunks):  # read from memory, verify, decode
-                writer.load(lm, keys[i], i * cfg.chunk_size, cfg.chunk_size)
+            for key, start, n, compression in entries:  # read from memory, verify, decode
+                writer.load(lm, key, start, n, compression, exact=True)
             read_decode_s = time.perf_counter() - t
-            rec = base | dict(kind="codec", codec=writer.codec.spec, bytes=nbytes, tokens=n_chunks * cfg.chunk_size,
-                              bytes_per_token=nbytes / max(n_chunks * cfg.chunk_size, 1),
-                              encode_tokens_per_s=n_chunks * cfg.chunk_size / write_s,
-                              decode_tokens_per_s=n_chunks * cfg.chunk_size / read_decode_s, tiers_written=list(tiers))
+            rec = base | dict(kind="codec", codec=writer.codec.spec, bytes=nbytes, tokens=len(doc),
+                              bytes_per_token=nbytes / len(doc), encode_tokens_per_s=len(doc) / write_s,
+                              decode_tokens_per_s=len(doc) / read_decode_s, tiers_written=list(tiers))
             _append(path, rec)
             log(f"  {writer.codec.spec}: {rec['bytes_per_token']:.0f} B/token, encode+write {rec['encode_tokens_per_s']:.0f} "
                 f"tok/s, decode {rec['decode_tokens_per_s']:.0f} tok/s")
@@ -157,11 +180,11 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
                     if name == "disk":
                         dropped = _drop_page_cache()
                     c = KVCache(lm.model.config)
-                    return prefill(lm, c, second, store)[1]
+                    return prefill(lm, c, second, store, context_end=len(doc))[1]
 
                 ttft, report = _median_run(warm, cfg.repeats)
-                if report.reused_tokens != n_chunks * cfg.chunk_size:
-                    raise KVMemError(f"{name}/{codec}: reused {report.reused_tokens} tokens, expected {n_chunks * cfg.chunk_size}")
+                if report.reused_tokens != len(doc):
+                    raise KVMemError(f"{name}/{codec}: reused {report.reused_tokens} tokens, expected {len(doc)}")
                 _append(path, base | dict(kind="warm", tier=name, codec=writer.codec.spec, ttft_s=ttft, cold_ttft_s=cold_s,
                                           speedup=cold_s / ttft, read_s=report.read_s, decode_s=report.decode_s,
                                           import_s=report.import_s, prefill_s=report.prefill_s,
@@ -171,10 +194,68 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
                     f"{report.decode_s:.3f} import {report.import_s:.3f} prefill {report.prefill_s:.3f}")
             # quality: a held-out continuation on top of the decoded prefix
             cache = KVCache(lm.model.config)
-            prefill(lm, cache, doc + after[:1], ChunkStore([tiers["memory"]], codec, cfg.chunk_size))
+            prefill(lm, cache, doc + after[:1], ChunkStore([tiers["memory"]], codec, cfg.chunk_size), context_end=len(doc))
             nll = token_nlls(lm, cache, after[1:cfg.continuation + 2], 64)
             _append(path, base | dict(kind="nll", codec=writer.codec.spec, nll=nll))
             del cache
+
+
+@torch.no_grad()
+def run_codec_tasks(lm, model: str, cfg: ReuseConfig, log=print) -> None:
+    """The long-context suite's usable tasks answered from the context's chunks stored with each codec (the
+    context prefilled once; each codec encodes its chunks, and the answer loads them and prefills the rest)."""
+    from kvmem.eval.race import usable_swept_tasks
+    from kvmem.eval.tasks import make_samples, score
+    from kvmem.generate import decode
+    from kvmem.prompts import build_prompt
+
+    path = cfg.out / "records.jsonl"
+    tasks = usable_swept_tasks(cfg.bench / "records.jsonl").get((model, cfg.task_length), [])
+    if not tasks:
+        log(f"tasks {model} @ {cfg.task_length}: no usable task in {cfg.bench} (run the long-context suite first)")
+        return
+    done = {(r["task"], r["sample"], r["codec"]) for r in read_records(path) if r["kind"] == "task" and r["model"] == model}
+    for task in tasks:
+        for i, sample in enumerate(make_samples(task, lm.tokenizer, cfg.task_length, cfg.task_samples)):
+            specs = {c: ChunkStore([MemoryTier(max_bytes=2**40)], c, cfg.chunk_size) for c in cfg.codecs}
+            if all((task, i, s.codec.spec) in done for s in specs.values()):
+                continue
+            t0 = time.perf_counter()
+            prompt = build_prompt(lm.tokenizer, sample.context, sample.question, sample.answer_prefix)
+            cache = KVCache(lm.model.config)
+            prefill(lm, cache, prompt.context, ChunkStore([MemoryTier(max_bytes=2**40)], "raw", cfg.chunk_size),
+                    context_end=len(prompt.context))  # the pieces a store's first request computes
+            pieces = document_pieces(cache, len(prompt.context), cfg.chunk_size)
+            del cache
+            for codec, store in specs.items():
+                save_document(lm, store, prompt.context, prompt.ids, pieces)
+                answer_cache = KVCache(lm.model.config)
+                logits, report = prefill(lm, answer_cache, prompt.ids, store, context_end=len(prompt.context))
+                tokens = decode(lm, answer_cache, logits, sample.max_new_tokens, stop_at_newline=sample.one_line,
+                                answers=sample.answers)
+                text = lm.tokenizer.decode(tokens)
+                _append(path, dict(kind="task", model=model, length=cfg.task_length, task=task, sample=i,
+                                   codec=store.codec.spec, score=score(sample, text), output=text,
+                                   reused_tokens=report.reused_tokens, threads=torch.get_num_threads()))
+            log(f"tasks {model} {task} #{i}: {len(specs)} codecs in {time.perf_counter() - t0:.0f} s")
+
+
+def codec_task_scores(records: list[dict]) -> dict[str, dict]:
+    """Per model and codec: mean task score with its CI (stratified by task) and the paired difference to raw."""
+    from kvmem.eval.stats import bootstrap_mean, paired_difference
+
+    out: dict[str, dict] = {}
+    latest = {(r["model"], r["task"], r["sample"], r["codec"]): r for r in records if r["kind"] == "task"}
+    for model in sorted({k[0] for k in latest}):
+        raw = {(k[1], k[2]): r["score"] for k, r in latest.items() if k[0] == model and k[3] == "raw"}
+        for codec in sorted({k[3] for k in latest if k[0] == model}):
+            mine = {(k[1], k[2]): r["score"] for k, r in latest.items() if k[0] == model and k[3] == codec}
+            common = sorted(set(mine) & set(raw))
+            est = bootstrap_mean([mine[c] for c in common], strata=[c[0] for c in common])
+            diff = paired_difference([mine[c] for c in common], [raw[c] for c in common], strata=[c[0] for c in common])
+            out[f"{model}/{codec}"] = dict(model=model, codec=codec, n=len(common), score=list(est), vs_raw=list(diff),
+                                           tasks=sorted({c[0] for c in common}))
+    return out
 
 
 def run_reuse(cfg: ReuseConfig, log=print) -> Path:
@@ -187,16 +268,18 @@ def run_reuse(cfg: ReuseConfig, log=print) -> Path:
     records = read_records(cfg.out / "records.jsonl")
     done = {(m, n) for m in cfg.models for n in cfg.lengths
             if len({r["codec"] for r in records if r["kind"] == "nll" and r["model"] == m and r["length"] == n}) >= len(cfg.codecs)}
-    server = LocalRedis().start() if "redis" in cfg.tiers else None
+    server = LocalRedis().start() if "redis" in cfg.tiers and "ttft" in cfg.parts else None
     try:
         for model in cfg.models:
             lm = load_model(model)
-            for length in cfg.lengths:
+            for length in cfg.lengths if "ttft" in cfg.parts else []:
                 if (model, length) in done:
                     log(f"{model} {length}: done (records kept)")
                     continue
                 run_length(lm, model, length, cfg, server.url if server else None, log)
-            if cfg.semantic_pairs and model == cfg.models[0] and not (cfg.out / "semantic_summary.json").exists():
+            if "tasks" in cfg.parts:
+                run_codec_tasks(lm, model, cfg, log)
+            if "semantic" in cfg.parts and model == cfg.models[0] and not (cfg.out / "semantic_summary.json").exists():
                 from kvmem.eval.semantic import run_semantic
 
                 run_semantic(lm, n=cfg.semantic_pairs, out=cfg.out, chunk_size=cfg.chunk_size,

@@ -25,13 +25,14 @@ def _latest(records: list[dict], kind: str, *fields: str) -> dict[tuple, dict]:
 
 
 def summarize(records: list[dict]) -> dict:
-    from kvmem.eval.reuse import codec_quality
+    from kvmem.eval.reuse import codec_quality, codec_task_scores
 
     cold = _latest(records, "cold", "model", "length")
     warm = _latest(records, "warm", "model", "length", "tier", "codec")
     codecs = _latest(records, "codec", "model", "length", "codec")
     quality = {f"{m}/{n}": {c: list(v) for c, v in codec_quality(records, m, n).items()} for m, n in cold}
-    return {"cold": list(cold.values()), "warm": list(warm.values()), "codecs": list(codecs.values()), "quality": quality}
+    return {"cold": list(cold.values()), "warm": list(warm.values()), "codecs": list(codecs.values()), "quality": quality,
+            "tasks": list(codec_task_scores(records).values())}
 
 
 def _plot(summary: dict, out: Path) -> None:
@@ -64,6 +65,10 @@ def _plot(summary: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def _rag_label(row: dict) -> str:
+    return row["method"] if row["recompute_ratio"] is None else f"{row['method']} r={row['recompute_ratio']:g}"
+
+
 def write_report(out: Path) -> Path:
     records = read_records(out / "records.jsonl")
     summary = summarize(records)
@@ -75,16 +80,16 @@ def write_report(out: Path) -> Path:
     warm = {(r["model"], r["length"], r["tier"], r["codec"]): r for r in summary["warm"]}
     tiers = sorted({k[2] for k in warm}, key=["memory", "disk", "redis"].index)
     codecs = list(dict.fromkeys(k[3] for k in warm))
+    cold = {(r["model"], r["length"]): r for r in summary["cold"]}
     lines += ["## TTFT: cold prefill vs reuse (median of repeats; speedup = cold / warm)", "",
-              "| model | tokens | cold TTFT s | first request with store s | " + " | ".join(f"{t} {c}" for t in tiers for c in codecs) + " |",
-              "|---|---|---|---|" + "---|" * (len(tiers) * len(codecs))]
-    for c in sorted(summary["cold"], key=lambda r: (r["model"], r["length"])):
-        cells = []
+              "Cold: one prefill forward of the prompt, no store (and the first request with a store: chunked, encoded, "
+              "written). Warm: the same document, another question; per tier and codec.", "",
+              "| model | tokens | cold TTFT s (first with store) | tier | " + " | ".join(codecs) + " |",
+              "|---|---|---|---|" + "---|" * len(codecs)]
+    for (m, n), c in sorted(cold.items()):
         for t in tiers:
-            for k in codecs:
-                r = warm.get((c["model"], c["length"], t, k))
-                cells.append(f"{r['ttft_s']:.3f} s ({r['speedup']:.0f}×)" if r else "")
-        lines.append(f"| {c['model']} | {c['length']} | {c['ttft_s']:.2f} | {c['with_store_s']:.2f} | " + " | ".join(cells) + " |")
+            cells = [f"{r['ttft_s']:.3f} s ({r['speedup']:.1f}×)" if (r := warm.get((m, n, t, k))) else "" for k in codecs]
+            lines.append(f"| {m} | {n} | {c['ttft_s']:.2f} ({c['with_store_s']:.2f}) | {t} | " + " | ".join(cells) + " |")
     lines += ["", "Load time broken down (raw codec; the last of the repeats): read, verify + decode, import, prefill of the uncovered tokens.", "",
               "| model | tokens | tier | reused / computed tokens | read s | decode s | import s | prefill s | page cache dropped |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -103,18 +108,16 @@ def write_report(out: Path) -> Path:
                      f"{r['bytes'] / k8['bytes']:.2f} | {r['encode_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.0f} | "
                      f"{f'{q[0]:+.2f} [{q[1]:+.2f}, {q[2]:+.2f}]' if q else '(reference)'} |" if raw and k8 else
                      f"| {m} | {n} | {k} | {r['bytes_per_token']:.0f} | | | | | |")
-    lines += ["", "## Goals", ""]
-    for m, n in sorted({(r["model"], r["length"]) for r in summary["cold"]}):
-        best = max((r["speedup"], r["tier"], r["codec"]) for r in summary["warm"] if (r["model"], r["length"]) == (m, n)
-                   and r["tier"] in ("memory", "disk"))
-        lines.append(f"- {m} at {n} tokens: best TTFT speedup from memory or disk {best[0]:.1f}× ({best[1]}, {best[2]})"
-                     + (f"; goal ≥ {SPEEDUP_GOAL:.0f}× at 8k {'met' if best[0] >= SPEEDUP_GOAL else 'not met'}" if n >= 8192 else ""))
-        cg, k8 = by.get((m, n, "cachegen")), by.get((m, n, "quant:kivi-8"))
-        if cg and k8:
-            q = summary["quality"].get(f"{m}/{n}", {})
-            lines.append(f"  - cachegen holds {cg['bytes'] / k8['bytes']:.2f} of kivi-8's bytes (goal ≤ 0.33: "
-                         f"{'met' if cg['bytes'] / k8['bytes'] <= CACHEGEN_GOAL else 'not met'}); Δppl cachegen "
-                         f"{q.get('cachegen', [float('nan')])[0]:+.2f} % vs kivi-8 {q.get('quant:kivi-8', [float('nan')])[0]:+.2f} %")
+    if summary["tasks"]:
+        t0 = summary["tasks"][0]
+        lines += ["", f"## Task score per codec ({t0['model']}, the long-context suite's usable tasks at 2048 tokens: "
+                      f"{', '.join(t0['tasks'])}; agnostic prompt, the context's chunks and its partial last chunk loaded through the codec)", "",
+                  "| model | codec | n | score [95% CI] | vs raw (paired) |", "|---|---|---|---|---|"]
+        for r in summary["tasks"]:
+            d = r["vs_raw"]
+            sig = "significant" if d[1] > 0 or d[2] < 0 else "not significant"
+            lines.append(f"| {r['model']} | {r['codec']} | {r['n']} | {r['score'][0]:.2f} [{r['score'][1]:.2f}, {r['score'][2]:.2f}] | "
+                         + ("(reference)" if r["codec"] == "raw" else f"{d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}] ({sig})") + " |")
     sem_path = out / "semantic_summary.json"
     if sem_path.exists():
         m = json.loads(sem_path.read_text())
@@ -131,6 +134,33 @@ def write_report(out: Path) -> Path:
                   f"{m['ttft_semantic_s']:.3f} ({m['speedup_semantic']:.1f}×; lookup {m['lookup_s']:.3f}) |",
                   f"| greedy answers equal to cold | | {m['chunk_answer_equal']:.0%} | {m['semantic_answer_equal']:.0%} |",
                   f"| largest logit difference to cold | | {m['max_logit_diff_chunk']:.1e} | {m['max_logit_diff_semantic']:.1e} |"]
+    lines += ["", "## Goals", ""]
+    for m, n in sorted({(r["model"], r["length"]) for r in summary["cold"]}):
+        best = {t: max(((r["speedup"], r["codec"]) for r in summary["warm"] if (r["model"], r["length"], r["tier"]) == (m, n, t)),
+                       default=None) for t in ("memory", "disk", "redis")}
+        said = "; ".join(f"{t} {b[0]:.1f}× ({b[1]})" for t, b in best.items() if b)
+        top = max((b[0] for t, b in best.items() if b and t in ("memory", "disk")), default=0.0)
+        lines.append(f"- {m} at {n} tokens: best TTFT speedup per tier: {said}"
+                     + (f"; goal ≥ {SPEEDUP_GOAL:.0f}× at 8k from memory or disk: {'met' if top >= SPEEDUP_GOAL else 'not met'}"
+                        if n >= 8192 else ""))
+        cg, k8 = by.get((m, n, "cachegen")), by.get((m, n, "quant:kivi-8"))
+        if cg and k8:
+            q = summary["quality"].get(f"{m}/{n}", {})
+            lines.append(f"  - cachegen holds {cg['bytes'] / k8['bytes']:.2f} of kivi-8's bytes (goal ≤ 0.33: "
+                         f"{'met' if cg['bytes'] / k8['bytes'] <= CACHEGEN_GOAL else 'not met'}); Δppl cachegen "
+                         f"{q.get('cachegen', [float('nan')])[0]:+.2f} % vs kivi-8 {q.get('quant:kivi-8', [float('nan')])[0]:+.2f} %")
+    if summary["tasks"]:
+        lines.append("- task score per codec (the long-context tasks, paired with raw): " + "; ".join(
+            f"{r['codec']} {r['score'][0]:.2f} (n={r['n']}"
+            + ("" if r["codec"] == "raw" else f", {r['vs_raw'][0]:+.2f} [{r['vs_raw'][1]:+.2f}, {r['vs_raw'][2]:+.2f}]") + ")"
+            for r in summary["tasks"]))
+    rag_summary = out.parent / "rag" / "summary.json"
+    if rag_summary.exists():
+        rows = [r for r in json.loads(rag_summary.read_text()) if r["questions"] == "cross-doc"]
+        cells = [f"{_rag_label(r)} {r['score'][0]:.2f} [{r['score'][1]:.2f}, {r['score'][2]:.2f}] at "
+                 f"{r['compute_fraction']:.0%} of the compute" for r in rows if r["method"] in ("full", "none", "cacheblend", "infoflow")]
+        if cells:
+            lines.append(f"- RAG, cross-document questions ({rows[0]['model']}, n={rows[0]['n']}): " + "; ".join(cells))
     rag = out.parent / "rag" / "report.md"
     if rag.exists():
         lines += ["", "## RAG: documents reused at new positions", "", f"See [`{rag.relative_to(out.parent.parent)}`](../rag/report.md)."]
@@ -138,3 +168,23 @@ def write_report(out: Path) -> Path:
         lines += ["", "![reuse](reuse.png)"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
+
+
+README_BLOCK = ("<!-- reuse: regenerated from results/reuse/report.md by `make bench-reuse` -->", "<!-- /reuse -->")
+
+
+def update_readme(results: Path = Path("results/reuse"), readme: Path = Path("README.md")) -> None:
+    """Replace the README's reuse block with the report's goals and the RAG headline (run by `make bench-reuse`)."""
+    report = (results / "report.md").read_text()
+    goals = report[report.index("## Goals") + len("## Goals"):].split("\n## ")[0].strip()
+    body = (f"{README_BLOCK[0]}\n**Reuse** (issue 10; `make bench-reuse`): time to first token with and without stored KV "
+            "(prompt = document + question; the document's chunks and its partial last chunk stored), per tier and codec, and what each codec "
+            "costs. Full tables: [results/reuse/report.md](results/reuse/report.md); documents reused at new positions "
+            f"(cacheblend, infoflow): [results/rag/report.md](results/rag/report.md).\n\n{goals}\n{README_BLOCK[1]}")
+    text = readme.read_text()
+    if README_BLOCK[0] in text:
+        start, end = text.index(README_BLOCK[0]), text.index(README_BLOCK[1]) + len(README_BLOCK[1])
+        text = text[:start] + body + text[end:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
+    readme.write_text(text)

@@ -165,6 +165,36 @@ def precompute(lm: LoadedModel, doc_ids: list[int], head_ids: list[int] = ()) ->
     return DocKV(doc, head, layers, lm.fingerprint)
 
 
+DOCUMENT = "document"  # the store namespace of documents precomputed on their own after a head
+
+
+def document_key(store, lm: LoadedModel, doc_ids: list[int], head_ids: list[int] = ()) -> str:
+    return store.span_key(lm, list(head_ids) + [-1] + list(doc_ids), DOCUMENT)  # -1: no token, marks where the head ends
+
+
+def store_document(store, lm: LoadedModel, doc: DocKV) -> bool:
+    """Keep a precomputed document in a `kvmem.store.ChunkStore` (its rows as they are, verified on read)."""
+    return store.save(lm, document_key(store, lm, doc.tokens, doc.head), doc.layers, len(doc.head), len(doc), DOCUMENT)
+
+
+def load_document(store, lm: LoadedModel, doc_ids: list[int], head_ids: list[int] = ()) -> DocKV | None:
+    """The document as stored by `store_document` (every check of `ChunkStore.load` passed), or None."""
+    got = store.load(lm, document_key(store, lm, doc_ids, head_ids), len(head_ids), len(doc_ids), DOCUMENT)
+    if got is None or any(h["positions"].numel() != len(doc_ids) for rows in got.layers for h in rows.heads):
+        return None  # a document keeps every row, sliding layers included
+    return DocKV(list(doc_ids), list(head_ids), got.layers, lm.fingerprint)
+
+
+def precomputed(store, lm: LoadedModel, doc_ids: list[int], head_ids: list[int] = ()) -> DocKV:
+    """The stored document, or computed now and stored."""
+    doc = load_document(store, lm, doc_ids, head_ids) if store is not None else None
+    if doc is None:
+        doc = precompute(lm, doc_ids, head_ids)
+        if store is not None:
+            store_document(store, lm, doc)
+    return doc
+
+
 def _spans(n_head: int, docs: list[DocKV], order: list[int]) -> list[range]:
     starts = [n_head + sum(len(docs[j]) for j in order[:x]) for x in range(len(order))]
     return [range(a, a + len(docs[i])) for a, i in zip(starts, order)]

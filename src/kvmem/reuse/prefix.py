@@ -100,26 +100,35 @@ def import_chunks(cache: KVCache, chunks: list[list[ExportedRows]], next_positio
         layer.import_rows(ExportedRows(heads), next_position)
 
 
+TAIL = "context-tail"  # the namespace of a context's last, partial chunk (valid for exactly that context)
+
+
 @torch.no_grad()
 def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_tail: int = 1,
-            report: ReuseReport | None = None) -> tuple[torch.Tensor, ReuseReport]:
+            report: ReuseReport | None = None, context_end: int | None = None) -> tuple[torch.Tensor, ReuseReport]:
     """Prefill `ids` into the empty `cache` in chunk-aligned pieces, loading the longest stored prefix first (at
     least `min_tail` tokens are computed: the last token's logits are needed, and a scorer may need the queries
-    of the last tokens) and saving every full chunk computed. Returns the last token's logits and the report."""
-    from kvmem.generate import feed
+    of the last tokens) and saving every full chunk computed. Returns the last token's logits and the report.
 
+    `context_end`: where the reusable context ends (`Prompt.context`; the question follows). Its last, partial
+    chunk is stored too, under a key of exactly the context's tokens, so a request with the same context and
+    another question computes only the question; a piece also ends there, so cold and warm runs compute the
+    same pieces (raw reuse stays bit-identical)."""
     ids = list(ids)
     if not ids:
         raise KVMemError("nothing to prefill: empty token list")
     if len(ids) > lm.max_context:
         raise KVMemError(f"context too long: {len(ids)} tokens > {lm.max_context} that {lm.name} allows")
+    if context_end is not None and not 0 < context_end <= len(ids):
+        raise KVMemError(f"context_end {context_end} is outside the {len(ids)} tokens")
     report = report or ReuseReport()
     report.prompt_tokens = len(ids)
     n = store.chunk_size if store is not None else len(ids)
+    limit = len(ids) - max(min_tail, 1)  # tokens that may come from the store
     keys = store.keys(lm, ids) if store is not None else []
     loaded: list[list[ExportedRows]] = []
     for i, key in enumerate(keys):
-        if (i + 1) * n > len(ids) - max(min_tail, 1):
+        if (i + 1) * n > limit:
             break
         got = store.load(lm, key, i * n, n)
         if got is None:
@@ -128,22 +137,50 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
         report.add_load(got, n)
     report.chunks_loaded = len(loaded)
     start = len(loaded) * n
+    tail_key = None
+    if store is not None and context_end is not None and context_end % n:
+        tail_key = store.span_key(lm, ids[:context_end], TAIL)
+        if start == context_end // n * n and context_end <= limit:
+            got = store.load(lm, tail_key, start, context_end - start, TAIL, exact=True)
+            if got is not None:
+                loaded.append(got.layers)
+                report.add_load(got, context_end - start)
+                report.chunks_loaded += 1
+                start, tail_key = context_end, None  # stored already
     if loaded:
         t = time.perf_counter()
         import_chunks(cache, loaded, start)
         report.import_s = time.perf_counter() - t
+    return compute_rest(lm, cache, ids, start, store, keys, n, report, context_end, tail_key), report
+
+
+def compute_rest(lm, cache: KVCache, ids: list[int], start: int, store: ChunkStore | None, keys: list[str], n: int,
+                 report: ReuseReport, context_end: int | None = None, tail_key: str | None = None) -> torch.Tensor:
+    """Prefill ids[start:] on top of the cache in pieces that end on chunk boundaries and at `context_end` (`start`
+    may fall inside a chunk), saving each chunk completed (its first rows may have been loaded) and, under
+    `tail_key`, the context's partial last chunk; returns the last token's logits."""
+    from kvmem.generate import feed
+
     logits = None
     t_all = time.perf_counter()
-    for s in range(start, len(ids), n):
-        e = min(s + n, len(ids))
+    s = start
+    while s < len(ids):
+        e = min((s // n + 1) * n, len(ids))
+        if context_end is not None and s < context_end < e:
+            e = context_end
         t = time.perf_counter()
         logits = feed(lm, cache, ids[s:e])
-        if store is not None and e - s == n:
-            report.chunks_saved += store.save(lm, keys[s // n], chunk_rows(cache, s, e), s, n,
+        if store is not None and e % n == 0:
+            report.chunks_saved += store.save(lm, keys[e // n - 1], chunk_rows(cache, e - n, e), e - n, n,
                                               compute_s=time.perf_counter() - t)
+        elif store is not None and tail_key is not None and e == context_end:
+            a = e // n * n
+            report.chunks_saved += store.save(lm, tail_key, chunk_rows(cache, a, e), a, e - a, TAIL,
+                                              compute_s=time.perf_counter() - t)
+        s = e
     report.prefill_s = time.perf_counter() - t_all
     report.computed_tokens = len(ids) - start
-    return logits, report
+    return logits
 
 
 def load_span(lm, cache: KVCache, store: ChunkStore, ids: list[int], compression: str,

@@ -56,7 +56,7 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem.reuse.prefix import ReuseReport, chunk_rows, import_chunks, prefill
+from kvmem.reuse.prefix import ReuseReport, chunk_rows, compute_rest, import_chunks, prefill
 from kvmem.rows import ExportedRows
 from kvmem.store.keys import chunk_keys, span_key
 from kvmem.store.store import ChunkStore, expected_positions, layer_windows
@@ -453,8 +453,6 @@ def prefill_semantic(lm, cache: KVCache, ids: list[int], index: SemanticIndex, m
     least `min_tail` tokens are computed. Full chunks computed are stored, and (with `remember`) the prompt is
     remembered. With no candidate this is `prefill` with the store. Returns the last token's logits and a
     `SemanticReport` (`path` says which reuse it took)."""
-    from kvmem.generate import feed
-
     ids = _check_ids(lm, ids)
     _plain(cache)
     if any(layer.is_initialized for layer in cache.layers):
@@ -472,7 +470,7 @@ def prefill_semantic(lm, cache: KVCache, ids: list[int], index: SemanticIndex, m
         logits, report = prefill(lm, cache, ids, store, min_tail, report)
         report.chunk_tokens = report.reused_tokens
     else:
-        logits = _prefill_extended(lm, cache, ids, index, found, limit, min_gain, report, feed)
+        logits = _prefill_extended(lm, cache, ids, index, found, limit, min_gain, report)
     if remember:
         t = time.perf_counter()
         index.remember(lm, ids, cache, vector=vector, save_chunks=False)
@@ -481,7 +479,7 @@ def prefill_semantic(lm, cache: KVCache, ids: list[int], index: SemanticIndex, m
 
 
 def _prefill_extended(lm, cache: KVCache, ids: list[int], index: SemanticIndex, found: list[Match], limit: int,
-                      min_gain: int, report: SemanticReport, feed) -> torch.Tensor:
+                      min_gain: int, report: SemanticReport) -> torch.Tensor:
     """`prefill`'s loop, with the loaded prefix extended from a remembered prompt's pieces."""
     store, n = index.store, index.store.chunk_size
     keys = store.keys(lm, ids)
@@ -524,17 +522,4 @@ def _prefill_extended(lm, cache: KVCache, ids: list[int], index: SemanticIndex, 
         t = time.perf_counter()
         import_chunks(cache, loaded, reach)
         report.import_s = time.perf_counter() - t
-    logits = None
-    t_all = time.perf_counter()
-    s = reach
-    while s < len(ids):
-        e = min((s // n + 1) * n, len(ids))  # up to the next chunk boundary, then whole chunks
-        t = time.perf_counter()
-        logits = feed(lm, cache, ids[s:e])
-        if e % n == 0:  # chunk e / n - 1 is complete (its first rows may have been loaded): store it
-            report.chunks_saved += store.save(lm, keys[e // n - 1], chunk_rows(cache, e - n, e), e - n, n,
-                                              compute_s=time.perf_counter() - t)
-        s = e
-    report.prefill_s = time.perf_counter() - t_all
-    report.computed_tokens = len(ids) - reach
-    return logits
+    return compute_rest(lm, cache, ids, reach, store, keys, n, report)

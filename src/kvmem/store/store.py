@@ -159,8 +159,10 @@ class ChunkStore:
                                                                         "info": info}
         return self.put_bytes(key, chunk.pack(tensors, header))
 
-    def load(self, lm, key: str, start: int, tokens: int, compression: str | None = None) -> Loaded | None:
-        """The verified rows of one chunk, or None (a miss, or a chunk that failed verification: discarded)."""
+    def load(self, lm, key: str, start: int, tokens: int, compression: str | None = None,
+             exact: bool | None = None) -> Loaded | None:
+        """The verified rows of one chunk, or None (a miss, or a chunk that failed verification: discarded).
+        `exact` (default: when uncompressed): every layer must hold every position an uncompressed layer holds."""
         t0 = time.perf_counter()
         blob, tier = self.get_bytes(key)
         if blob is None:
@@ -173,7 +175,7 @@ class ChunkStore:
             if wrong:
                 raise chunk.CorruptChunk("; ".join(wrong))
             layers = self.codec_for(lm).decode(tensors, header.get("codec_meta") or {})
-            _check_rows(lm, layers, start, start + tokens, exact=compression is None)
+            _check_rows(lm, layers, start, start + tokens, exact=compression is None if exact is None else exact)
         except KVMemError as e:
             self.stats["corrupt"] += 1
             warnings.warn(f"kvmem store: chunk {key[:12]} from {tier} discarded ({e}); recomputing", StoreWarning,
