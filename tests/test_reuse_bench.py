@@ -1,0 +1,43 @@
+"""The reuse benchmark end to end on a short prompt (its records, the report's tables and goals, the README block)
+and its bad input. No timing goals here: speedups are what the committed report measures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmem.errors import KVMemError
+from kvmem.eval.reuse import ReuseConfig, run_length
+from kvmem.eval.reuse_report import update_readme, write_report
+
+torch.set_num_threads(2)
+
+
+def test_a_short_run_records_every_tier_and_codec_and_reports_them(smollm2, tmp_path, redis_server):
+    cfg = ReuseConfig(models=["smollm2-135m"], lengths=[320], codecs=["raw", "quant:kivi-8"], repeats=1, continuation=32,
+                      out=tmp_path)
+    cfg.validate()
+    run_length(smollm2, "smollm2-135m", 320, cfg, redis_server.url, log=lambda *_: None)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    warm = [r for r in records if r["kind"] == "warm"]
+    assert {(r["tier"], r["codec"]) for r in warm} == {(t, c) for t in ("memory", "disk", "redis") for c in ("raw", "quant:kivi-8")}
+    assert all(r["reused_tokens"] == 320 - 64 and r["computed_tokens"] > 0 for r in warm)  # the whole document
+    codecs = {r["codec"]: r for r in records if r["kind"] == "codec"}
+    assert codecs["quant:kivi-8"]["bytes"] < codecs["raw"]["bytes"] / 3
+    report = write_report(tmp_path).read_text()
+    assert "| smollm2-135m | 320 |" in report and "quant:kivi-8" in report and "## Goals" in report
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n")
+    update_readme(tmp_path, readme)
+    update_readme(tmp_path, readme)  # replaces its block, does not add another
+    assert readme.read_text().count("<!-- reuse:") == 1 and "best TTFT speedup per tier" in readme.read_text()
+
+
+def test_bad_settings_are_named():
+    for kwargs, match in ((dict(codecs=["zip"]), "unknown codec"), (dict(tiers=["tape"]), "unknown tier"),
+                          (dict(codecs=["quant:kivi-8"]), "needs the raw codec"), (dict(parts=("speed",)), "unknown reuse part")):
+        with pytest.raises(KVMemError, match=match):
+            ReuseConfig(models=["smollm2-135m"], **kwargs).validate()
