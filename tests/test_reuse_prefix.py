@@ -49,6 +49,10 @@ def test_answer_reuses_raw_and_compressed_contexts(smollm2, tmp_path):
     # a context compressed before its question: stored whole, reused whole, for another question
     a = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.25, max_new_tokens=8, store=store)
     assert 0 < a.reuse.reused_tokens < a.reuse.prompt_tokens and not a.reuse.span  # its raw prefix came from the store
+    plain = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.25, max_new_tokens=8)  # bytes are counted as without a store
+    assert a.kv_bytes == plain.kv_bytes  # compressed: exactly sized storage either way
+    # before compression a chunked prefill holds its buffers' growth room too (GROW rows per head): measured, real
+    assert plain.kv_bytes_full < a.kv_bytes_full <= plain.kv_bytes_full * 1.15
     b = answer(lm, DOC[:2500] + FACT, "Who wrote it?", "snapkv", 0.25, max_new_tokens=8, store=store)
     assert b.reuse.span and b.reuse.reused_tokens == len(build_prompt(lm.tokenizer, DOC[:2500] + FACT, q).context)
     assert b.kv_bytes_full == a.kv_bytes_full  # what the stored context was cut from

@@ -177,7 +177,7 @@ def test_redis_killed_in_the_middle_of_a_run(lm, redis_server):
 
 def test_bad_store_specs_are_named_errors():
     for spec, match in (("ftp://x", "unknown store tier"), ("disk://", "names no folder"), ("memory?max=lots", "not a size"),
-                        ("memory?size=1", "unknown option")):
+                        ("memory?size=1", "unknown option"), ("disk:///proc/no/such", "cannot create the folder")):
         with pytest.raises(KVMemError, match=match):
             parse_stack(spec)
     with pytest.raises(KVMemError, match="unknown codec"):

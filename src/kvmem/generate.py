@@ -177,9 +177,8 @@ def answer(
     ctx, q = prompt.context, prompt.question
     cache = new_cache(lm, m, quant)
     if store is not None:
-        logits, full_bytes, report = _prefill_with_store(lm, cache, m, keep_ratio, query_aware, quant, prompt, store,
-                                                         bool(context))
-        kept = cache.kv_bytes()
+        logits, full_bytes, kept, report = _prefill_with_store(lm, cache, m, keep_ratio, query_aware, quant, prompt, store,
+                                                               bool(context))
         tokens = decode(lm, cache, logits, max_new_tokens)
         return Answer(lm.tokenizer.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())), report)
     if not context:  # no document (the context is the chat template's head alone): nothing to compress
@@ -200,7 +199,7 @@ def answer(
 def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: float, query_aware: bool,
                         quant: str | None, prompt, store, has_document: bool):
     """`answer`'s prefill and compression through a chunk store. Returns the logits of the last prompt token,
-    the bytes held before compression and the reuse report. Uncompressed prompts reuse any stored prefix;
+    the bytes held before and after compression (before the question is fed) and the reuse report. Uncompressed prompts reuse any stored prefix;
     a context compressed before its question reuses its stored compressed form (valid for exactly that
     context), else its stored raw prefix (leaving the last tokens a scorer observes to be computed)."""
     import time
@@ -213,13 +212,14 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
     min_tail = len(ctx) + len(q) if m.needs_attention else m.observe_window + 1
     if not compressing:
         logits, report = prefill(lm, cache, ctx + q, store, context_end=len(ctx))
-        return logits, cache.kv_bytes(), report
+        return logits, cache.kv_bytes(), cache.kv_bytes(), report
     if query_aware:  # the question is compressed with the context: only the raw prefix can be reused
         _, report = prefill(lm, cache, ctx + q[:-1], store, min_tail=min_tail, context_end=len(ctx))
         full_bytes = cache.kv_bytes()
         compress(cache, m, keep_ratio, protect_from=len(ctx), context=ModelContext(lm, ctx, prompt.head))
         cache.drop_observations()
-        return feed(lm, cache, q[-1:]), full_bytes, report
+        kept = cache.kv_bytes()
+        return feed(lm, cache, q[-1:]), full_bytes, kept, report
     compression = f"{m.spec}@{keep_ratio:g}" + (f"+{quant}" if quant else "")
     report = ReuseReport()
     if load_span(lm, cache, store, ctx, compression, report):
@@ -232,9 +232,10 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
         # what computing this compressed context costs from scratch: the reused raw prefix's cost included
         save_span(lm, cache, store, ctx, compression, time.perf_counter() - t + report.saved_compute_s, full_bytes)
     cache.drop_observations()
+    kept = cache.kv_bytes()
     t = time.perf_counter()
     logits = feed(lm, cache, q)
     report.prefill_s += time.perf_counter() - t
     report.computed_tokens += len(q)
     report.prompt_tokens = len(ctx) + len(q)
-    return logits, full_bytes or cache.kv_bytes(), report
+    return logits, full_bytes or kept, kept, report

@@ -103,7 +103,10 @@ class DiskTier(Tier):
         self.root, self.max_bytes, self.readonly = Path(root), max_bytes, readonly
         self.name = f"disk://{self.root}"
         if not readonly:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise KVMemError(f"store tier {self.name}: cannot create the folder ({e.strerror})") from None
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{_check_key(key)}.kvc"
