@@ -1,4 +1,4 @@
-"""The `kvmem` command line: demo, generate, eval, models."""
+"""The `kvmem` command line: demo, generate, eval, race, embed, serve, methods, models."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ RATIOS_DEFAULT = "1.0,0.5,0.25,0.1"
 @app.command("eval")
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks) reuse (TTFT from stored KV, codecs, semantic lookup) or rag (documents reused at new positions: cacheblend, infoflow)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow) or serve (kvmem serve under load: store on / off, two replicas on one Redis, a soak with Redis restarted)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's)."),
@@ -165,9 +165,12 @@ def eval_(
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
     raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
-    parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks); reuse: ttft, tasks, semantic (default all)."),
+    parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks); reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens)."),
     codecs: Optional[str] = typer.Option(None, help="reuse: comma-separated store codecs (default: raw, quant:kivi-8/4/2, cachegen)."),
+    clients: int = typer.Option(4, help="serve: concurrent clients."),
+    duration: float = typer.Option(120, help="serve: seconds of load with the store on, then off."),
+    soak: float = typer.Option(180, help="serve: seconds of the soak (Redis killed a third of the way in, restarted; 0: none)."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
     retrieval: embedding methods on the offline retrieval sets (abstracts, questions).
@@ -210,6 +213,17 @@ def eval_(
         path = run_reuse(cfg, log=console.print)
         console.print(f"report: {path}")
         return
+    if suite == "serve":
+        import shlex
+
+        from kvmem.eval.load import PHASES, run_load_suite
+
+        chosen = tuple(p for p in _csv(parts) if p in PHASES) or PHASES
+        report = run_load_suite(out or Path("results/serve"), _csv(models)[0], clients, duration, soak,
+                                threads=threads or 1, phases=chosen, log=console.print,
+                                command=shlex.join(["kvmem", *sys.argv[1:]]))
+        console.print(f"report: {report}")
+        return
     if suite == "quant":
         from kvmem.eval.quant import QuantConfig, default_schemes, run_quant
 
@@ -226,7 +240,7 @@ def eval_(
     from kvmem.eval.longctx import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
-        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag")
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag, serve")
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),
@@ -337,6 +351,64 @@ def methods_() -> None:
         opts = options(cls)
         console.print(f"[bold]{name}[/bold]: {doc[0] if doc else ''}" + (f"  options: {', '.join(opts)}" if opts else ""),
                       highlight=False)
+
+
+@app.command()
+@clean_errors
+def serve(
+    model: str = typer.Option("smollm2-135m", help="Registry name, local folder or HF id (loaded once, shared by all requests)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    store: Optional[str] = typer.Option(None, help="Keep and reuse computed KV across requests (and replicas, through "
+                                        "Redis): tiers fastest first, e.g. memory,disk:///tmp/kvmem,redis://127.0.0.1:6379/0."),
+    codec: str = typer.Option("raw", help="How the store encodes chunks: raw, quant:<scheme>, cachegen."),
+    chunk_size: int = typer.Option(256, help="Tokens per stored chunk."),
+    store_write: str = typer.Option("through", help="Store writes: through (every tier) or memory (the first tier only)."),
+    method: str = typer.Option("full", help="Default compression method (a request's kvmem.method overrides it)."),
+    keep_ratio: float = typer.Option(1.0, help="Default fraction of the context's KV kept, in (0, 1]."),
+    quant: Optional[str] = typer.Option(None, help="Default quantization scheme of the cache, e.g. kivi-4."),
+    workers: int = typer.Option(1, help="Requests computed at once (each in its own thread, batch size 1)."),
+    queue: int = typer.Option(16, help="Requests that may wait for a worker; more get 429 with Retry-After."),
+    threads: int = typer.Option(0, help="torch CPU threads in all (0: all cores)."),
+    timeout: float = typer.Option(120.0, help="Seconds a request may take, queueing included (a request's kvmem.timeout overrides it)."),
+    max_tokens: int = typer.Option(256, help="Completion tokens when a chat request gives no max_tokens."),
+    max_n: int = typer.Option(4, help="Most choices (n) per request."),
+    embed_method: str = typer.Option("prompteol", help="Embedding method for /v1/embeddings with the model's name (kvmem.embed spec)."),
+    log_level: str = typer.Option("info", help="uvicorn's log level."),
+) -> None:
+    """An OpenAI-compatible HTTP server (chat and text completions, streaming, embeddings, /metrics) with the
+    cache layer inside: per-request compression and quantization, KV reused from the store."""
+    import torch
+    import uvicorn
+
+    from kvmem.compress import get_method
+    from kvmem.embed import parse_method
+    from kvmem.models import load_model
+    from kvmem.quant import get_scheme
+    from kvmem.serve.app import create_app
+    from kvmem.serve.engine import Options
+
+    m = get_method(method)
+    if quant:
+        get_scheme(quant)
+    parse_method(embed_method)
+    if not 0.0 < keep_ratio <= 1.0:
+        raise KVMemError(f"keep ratio must be in (0, 1]; got {keep_ratio}")
+    if m.name == "full" and keep_ratio < 1.0:
+        raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
+    chunks = None
+    if store:
+        from kvmem.store import ChunkStore
+
+        chunks = ChunkStore(store, codec, chunk_size, store_write)
+    if threads:
+        torch.set_num_threads(threads)
+    lm = load_model(model)
+    app_ = create_app(lm, chunks, Options(method=method, keep_ratio=keep_ratio, quant=quant), workers, queue, timeout,
+                      max_tokens, max_n, embed_method)
+    console.print(f"kvmem serve: {lm.name} on http://{host}:{port}/v1 (store: {chunks or 'none'}; {workers} worker(s), "
+                  f"queue {queue}, {torch.get_num_threads()} torch threads)", highlight=False)
+    uvicorn.run(app_, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
 @app.command("models")

@@ -17,7 +17,7 @@ from kvmem.cache import KVCache
 from kvmem.compress import Method, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.models import LoadedModel
-from kvmem.prompts import build_prompt
+from kvmem.prompts import Prompt, build_prompt
 from kvmem.quant import get_scheme
 
 
@@ -172,28 +172,48 @@ def answer(
     of the prompt is loaded, not recomputed; a context compressed before its question is stored compressed
     and reused whole. `Answer.reuse` says what was reused.
     """
-    m = get_method(method)
     prompt = build_prompt(lm.tokenizer, context, question, answer_prefix, raw=raw_prompt)
+    p = prepare(lm, prompt, method, keep_ratio, query_aware, quant, store)
+    tokens = decode(lm, p.cache, p.logits, max_new_tokens)
+    return Answer(lm.tokenizer.decode(tokens), tokens, p.kv_bytes, p.kv_bytes_full, sum(map(sum, p.cache.tokens_held())),
+                  p.reuse)
+
+
+@dataclass
+class Prepared:
+    """A prompt read into its own cache, compressed as asked, ready to decode from `logits`."""
+
+    cache: KVCache
+    logits: Tensor  # of the last prompt token
+    kv_bytes_full: int  # held before compression (measured), the question excluded
+    kv_bytes: int  # held after compression, before the question was fed
+    reuse: object = None  # a kvmem.reuse.ReuseReport when a store was used
+
+
+def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: float = 1.0, query_aware: bool = False,
+            quant: str | None = None, store=None) -> Prepared:
+    """Prefill `prompt` into a new cache and compress its context with `method` (`answer` without the decoding;
+    the server decodes with its own sampling). A prompt whose context is the template head alone has nothing to
+    compress: it is read as it is."""
+    m = get_method(method)
     ctx, q = prompt.context, prompt.question
+    has_document = len(ctx) > prompt.head
     cache = new_cache(lm, m, quant)
     if store is not None:
         logits, full_bytes, kept, report = _prefill_with_store(lm, cache, m, keep_ratio, query_aware, quant, prompt, store,
-                                                               bool(context))
-        tokens = decode(lm, cache, logits, max_new_tokens)
-        return Answer(lm.tokenizer.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())), report)
-    if not context:  # no document (the context is the chat template's head alone): nothing to compress
-        logits = feed(lm, cache, q)
-        full_bytes = kept = cache.kv_bytes()
-    else:
-        feed(lm, cache, ctx + q[:-1] if query_aware else ctx)
-        full_bytes = cache.kv_bytes()
-        compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None,
-                 context=ModelContext(lm, ctx, prompt.head))
-        kept = cache.kv_bytes()
-        cache.drop_observations()
-        logits = feed(lm, cache, q[-1:] if query_aware else q)
-    tokens = decode(lm, cache, logits, max_new_tokens)
-    return Answer(lm.tokenizer.decode(tokens), tokens, kept, full_bytes, sum(map(sum, cache.tokens_held())))
+                                                               has_document)
+        return Prepared(cache, logits, full_bytes, kept, report)
+    if not has_document:
+        logits = feed(lm, cache, ctx + q)
+        return Prepared(cache, logits, cache.kv_bytes(), cache.kv_bytes())
+    feed(lm, cache, ctx + q[:-1] if query_aware else ctx)
+    full_bytes = cache.kv_bytes()
+    compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None,
+             context=ModelContext(lm, ctx, prompt.head))
+    kept = cache.kv_bytes()
+    cache.drop_observations()
+    logits = feed(lm, cache, q[-1:] if query_aware else q)
+    return Prepared(cache, logits, full_bytes, kept)
 
 
 def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: float, query_aware: bool,
@@ -211,7 +231,7 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
     # a scorer that reads the last queries (or all attention) must see them computed, not loaded
     min_tail = len(ctx) + len(q) if m.needs_attention else m.observe_window + 1
     if not compressing:
-        logits, report = prefill(lm, cache, ctx + q, store, context_end=len(ctx))
+        logits, report = prefill(lm, cache, ctx + q, store, context_end=len(ctx) or None)
         return logits, cache.kv_bytes(), cache.kv_bytes(), report
     if query_aware:  # the question is compressed with the context: only the raw prefix can be reused
         _, report = prefill(lm, cache, ctx + q[:-1], store, min_tail=min_tail, context_end=len(ctx))

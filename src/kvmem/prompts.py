@@ -61,6 +61,29 @@ def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
     return Prompt(ids, encode(tail), n_head)
 
 
+def chat_prompt(tokenizer, messages: list[dict]) -> Prompt:
+    """Token ids of a chat (OpenAI-style `messages`, through the tokenizer's chat template, with the generation
+    prompt), split before the last message's text: `context` holds the system prompt and the earlier turns (what
+    requests of one conversation, or sharing one system prompt, have in common), `question` the last message."""
+    if tokenizer.chat_template is None:
+        raise KVMemError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
+    if not messages:
+        raise KVMemError("messages is empty: give at least one message")
+    *earlier, last = messages
+    try:
+        text = tokenizer.apply_chat_template([*earlier, {**last, "content": _MARK + last["content"]}],
+                                             add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - jinja raises for role orders a template refuses
+        raise KVMemError(f"the chat template refuses these messages: {e}") from None
+    if text.count(_MARK) != 1:
+        raise KVMemError("the chat template does not keep the last message as it is")
+    head, tail = text.split(_MARK)
+    encode = lambda t: tokenizer(t, add_special_tokens=False).input_ids  # noqa: E731 - the template has them
+    ids, template_head = encode(head), encode(_template_parts(tokenizer)[0])
+    n_head = next((i for i, (a, b) in enumerate(zip(ids, template_head)) if a != b), min(len(ids), len(template_head)))
+    return Prompt(ids, encode(tail), n_head)
+
+
 def _template_parts(tokenizer) -> tuple[str, str]:
     """The chat template's text before and after one user message: (head, end of turn + generation prompt)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True, tokenize=False)

@@ -19,6 +19,7 @@ an attention mask; a causal model's real tokens never see the padding, so batchi
 
 from __future__ import annotations
 
+import threading
 from typing import ClassVar, Sequence
 
 import numpy as np
@@ -72,6 +73,17 @@ def hamming_scores(queries: np.ndarray, docs: np.ndarray) -> np.ndarray:
         xor = np.bitwise_xor(queries[i:i + 256, None, :], docs[None, :, :])
         out[i:i + 256] = bits - np.bitwise_count(xor).sum(axis=-1, dtype=np.int64)
     return out
+
+
+def this_thread_only(hook):
+    """`hook` (a forward or pre-forward hook) acting only on forwards run by the thread that made it. The model is
+    shared by concurrent requests (the server runs each in its own thread); an embedder's hooks belong to its
+    request, so another request's forward, on another thread, passes through them unchanged."""
+    owner = threading.get_ident()
+
+    def hook_for_owner(*args, **kwargs):
+        return hook(*args, **kwargs) if threading.get_ident() == owner else None
+    return hook_for_owner
 
 
 def check_template(template: str, copies: int, method: str) -> str:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvmem.embed.base import LMEmbedder, check_template
+from kvmem.embed.base import LMEmbedder, check_template, this_thread_only
 from kvmem.embed.pooling import last_token, mean_pool
 from kvmem.errors import KVMemError
 from kvmem.rope import apply_rotation
@@ -157,7 +157,7 @@ class KVEmbedding(LMEmbedder):
                 reroute.rope[layer_idx] = kwargs["position_embeddings"]
             return hook
 
-        handles = [body.layers[i].self_attn.register_forward_pre_hook(keep_rope(i), with_kwargs=True)
+        handles = [body.layers[i].self_attn.register_forward_pre_hook(this_thread_only(keep_rope(i)), with_kwargs=True)
                    for i in self.reroute_layers]
         positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)[None]  # position 0 is the prefix slot's
         try:

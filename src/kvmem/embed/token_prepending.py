@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvmem.embed.base import this_thread_only
 from kvmem.embed.pooling import LastToken
 from kvmem.errors import KVMemError
 
@@ -67,7 +68,7 @@ class TokenPrepending(LastToken):
                 return (hidden, *args[1:]), kwargs
             return hook
 
-        handles = [body.layers[i].register_forward_pre_hook(prepend(i), with_kwargs=True)
+        handles = [body.layers[i].register_forward_pre_hook(this_thread_only(prepend(i)), with_kwargs=True)
                    for i in range(self.start, self.exit)]
         try:
             return body(inputs_embeds=embeds, attention_mask=batch["attention_mask"], output_hidden_states=True,

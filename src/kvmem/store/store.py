@@ -16,6 +16,8 @@ the caller recomputes.
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 import warnings
 from collections import Counter
@@ -64,8 +66,21 @@ class ChunkStore:
                              f"(the rest of each chunk would be stored unquantized)")
         self.chunk_size, self.write, self.retry_s = chunk_size, write, retry_s
         self.stats: Counter = Counter()
+        self.reads = self.writes = True  # see `policy`
+        self._lock = threading.Lock()  # the store is shared by concurrent requests (the server's threads)
         self._down_until: dict[int, float] = {}
         self._codecs: dict[str, Codec] = {}
+
+    def policy(self, read: bool = True, write: bool = True) -> "ChunkStore":
+        """A view of this store (same tiers, counters and codecs) that only reads or only writes, or neither: the
+        server's per-request `use_store` / `fill_store`."""
+        view = copy.copy(self)
+        view.reads, view.writes = read, write
+        return view
+
+    def _count(self, event: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[event] += n
 
     def __repr__(self) -> str:
         return f"ChunkStore({','.join(t.name for t in self.tiers)}, codec={self.codec.spec}, chunk={self.chunk_size})"
@@ -75,13 +90,15 @@ class ChunkStore:
         return self._down_until.get(i, 0.0) <= time.monotonic()
 
     def _failed(self, i: int, op: str, error: Exception) -> None:
-        self.stats["unavailable"] += 1
+        self._count("unavailable")
         self._down_until[i] = time.monotonic() + self.retry_s
         warnings.warn(f"kvmem store: tier {self.tiers[i].name} failed on {op} ({type(error).__name__}: {error}); "
                       f"skipping it for {self.retry_s:g} s and recomputing instead", StoreWarning, stacklevel=3)
 
     def get_bytes(self, key: str) -> tuple[bytes | None, str | None]:
         """The bytes stored under `key` from the fastest tier that has them (promoted to the faster tiers)."""
+        if not self.reads:
+            return None, None
         for i, tier in enumerate(self.tiers):
             if not self._usable(i):
                 continue
@@ -92,11 +109,11 @@ class ChunkStore:
                 continue
             if blob is None:
                 continue
-            self.stats[f"hit:{tier.name}"] += 1
+            self._count(f"hit:{tier.name}")
             for j in range(i):
                 self._put_one(j, key, blob)
             return blob, tier.name
-        self.stats["miss"] += 1
+        self._count("miss")
         return None, None
 
     def _put_one(self, i: int, key: str, blob: bytes) -> bool:
@@ -108,16 +125,18 @@ class ChunkStore:
             self._failed(i, "write", e)
             return False
         if result != "ok":
-            self.stats[result] += 1
+            self._count(result)
             warnings.warn(f"kvmem store: tier {self.tiers[i].name} is {result}; chunk {key[:12]} not written there",
                           StoreWarning, stacklevel=3)
         return result == "ok"
 
     def put_bytes(self, key: str, blob: bytes) -> bool:
         """Write to every tier (write-through) or the first; True if at least one tier took it."""
+        if not self.writes:
+            return False
         targets = range(len(self.tiers)) if self.write == "through" else range(1)
         ok = [self._put_one(i, key, blob) for i in targets]
-        self.stats["write"] += any(ok)
+        self._count("write", any(ok))
         return any(ok)
 
     def discard(self, key: str) -> None:
@@ -177,7 +196,7 @@ class ChunkStore:
             layers = self.codec_for(lm).decode(tensors, header.get("codec_meta") or {})
             _check_rows(lm, layers, start, start + tokens, exact=compression is None if exact is None else exact)
         except KVMemError as e:
-            self.stats["corrupt"] += 1
+            self._count("corrupt")
             warnings.warn(f"kvmem store: chunk {key[:12]} from {tier} discarded ({e}); recomputing", StoreWarning,
                           stacklevel=2)
             self.discard(key)

@@ -1,0 +1,523 @@
+"""The load test of `kvmem serve`: what a server with stored KV gives under concurrent clients, and how it behaves
+when its store goes away.
+
+The workload is a chat assistant over a shared knowledge base: every request carries the same long system prompt
+(whole abstracts of `data/abstracts.txt`, about 1500 SmolLM2 tokens, built deterministically) and a different short
+user question about one of its documents; temperature 0, `max_tokens` 16, `ignore_eos` (every request decodes the
+same number of tokens, so the phases do the same work; with a store, `use_store` and `fill_store` too). N clients
+(asyncio, the openai client, no retries) loop for M seconds, each sending a streaming chat completion and waiting
+for its end before the next. Per request: TTFT (until the first chunk carrying content; it includes the time spent
+queued for a worker, as a user sees it), total latency, completion / prompt / cached tokens (the final usage chunk;
+cached = prompt tokens loaded from the store), the answer's text, and the status: ok, 429 (counted; the client waits
+Retry-After, capped at 5 s, then goes on) or error (with its message). The server process's RSS (VmRSS, summed over
+its process tree) is sampled every 0.5 s; /metrics is scraped before and after.
+
+Phases, one server each, one after another (never side by side: on 2 CPU cores they would time each other):
+
+* `store_on`  (`--store memory`): the system prompt's KV is computed once and reused by every later request.
+* `store_off` (no `--store`): every request prefills the whole prompt. The same clients, duration and questions.
+  TTFT off / on is the headline; answers to the same question should match (reuse is exact with the raw codec).
+* `replicas`: two servers (`--store memory,redis://...`) sharing one redis-server. For each of 8 knowledge bases
+  neither has seen (other abstracts than the phases above), one request to replica A (computes the prompt and
+  writes it through to Redis), then another question on the same knowledge base to replica B, which loads it
+  from Redis: TTFT A (cold) against B (reused across replicas), paired, one request at a time.
+* `soak` (`--store redis://...` only, so no memory tier hides the outage): a local redis-server is killed a third
+  of the way in and restarted (empty) `redis_down_s` later. While it is down requests must still succeed (the
+  server recomputes; TTFT rises); after the restart the first requests refill it and later ones hit again. RSS
+  over the whole soak shows whether the server leaks.
+
+Each phase starts with one warm-up request alone (the one that fills the store, or the first cold request),
+recorded with `warmup: true` and reported apart from the steady state that follows. Times in the records are
+seconds from the phase's start (just before the warm-up). Everything goes to OUT/load.json (config, the command,
+the commit, every request, the RSS samples, the metrics), written after each phase; OUT/report.md and the plots
+come from `kvmem.eval.load_report.write_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+from kvmem.errors import KVMemError
+
+DATA = Path(__file__).parent / "data"
+RSS_EVERY_S = 0.5
+RETRY_AFTER_CAP_S = 5.0
+ERROR_PAUSE_S = 0.5  # after an error, so a dead server is not hammered in a tight loop
+PHASES = ("store_on", "store_off", "soak", "replicas")
+REPLICA_PROMPTS = 8  # distinct knowledge bases in the replicas phase
+KVMEM_OPTIONS = {"ignore_eos": True}  # every phase; with a store, also:
+STORE_OPTIONS = {"use_store": True, "fill_store": True}  # (a server without one refuses them: 400)
+QUESTION_TEMPLATES = (
+    "What does document {i} propose?",
+    "What problem does document {i} address?",
+    "Name one result reported in document {i}.",
+    "Which method is introduced in document {i}?",
+    "What is the main claim of document {i}?",
+    "Does document {i} report experiments? Answer yes or no.",
+    "Summarize document {i} in a few words.",
+    "Who would use the work described in document {i}?",
+)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------- the prompts
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer alone (no weights), to size the system prompt in its tokens."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvmem.models import REGISTRY, _converted_folder
+
+    torch.set_num_threads(1)
+    return AutoTokenizer.from_pretrained(_converted_folder(model) if model in REGISTRY else model)
+
+
+def knowledge_base(tokenizer, target_tokens: int = 1500, first: int = 0) -> tuple[str, int, int]:
+    """(system prompt, its tokens, documents in it): whole abstracts in file order from the `first`, numbered, as
+    many as bring the prompt closest to `target_tokens` (at least one)."""
+    abstracts = [a.strip() for a in (DATA / "abstracts.txt").read_text().splitlines() if a.strip()][first:]
+    count = lambda t: len(tokenizer(t, add_special_tokens=False).input_ids)  # noqa: E731
+    text = ("You are a research assistant. Answer the user's question briefly, using only the documents of this "
+            "knowledge base.")
+    best = None
+    for i, abstract in enumerate(abstracts, 1):
+        text += f"\n\n[Document {i}]\n{abstract}"
+        n = count(text)
+        if best is None or abs(n - target_tokens) < abs(best[1] - target_tokens):
+            best = (text, n, i)
+        if n >= target_tokens:
+            break
+    return best
+
+
+def question_list(n_docs: int) -> list[str]:
+    """The user questions, in the order requests take them: each template about each document, then each
+    hand-written description of an abstract (`data/questions.txt`) as "which document ...?"."""
+    out = [t.format(i=i) for t in QUESTION_TEMPLATES for i in range(1, n_docs + 1)]
+    for line in (DATA / "questions.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#") and "\t" in line:
+            out.append(f"Which document, if any, is about this: {line.split(chr(9), 1)[1].strip()}?")
+    return out
+
+
+def question(k: int, questions: list[str]) -> str:
+    """The k-th request's question: every request of a phase asks a different one."""
+    q = questions[k % len(questions)]
+    return q if k < len(questions) else f"{q} (request {k})"
+
+
+# ---------------------------------------------------------------- the server process
+
+
+def tree_rss_kib(pid: int) -> int | None:
+    """VmRSS of `pid` and its descendants (several workers are child processes), KiB; None once it is gone."""
+    total, seen, todo = 0, set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            if p == pid:
+                return None
+    return total
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode("utf-8", "replace")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """`name{labels}` -> value of each sample line of a Prometheus text exposition."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "}" in line:  # the value follows the labels' closing brace
+            cut = line.rindex("}") + 1
+            name, rest = line[:cut], line[cut:]
+        else:
+            name, _, rest = line.partition(" ")
+        try:
+            out[name.strip()] = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def scrape_metrics(base: str) -> dict:
+    """/metrics as parsed samples (and the HTTP status), or the error that prevented it."""
+    try:
+        status, text = _get(f"{base}/metrics")
+    except OSError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"status": status, "values": parse_prometheus(text) if status == 200 else {}, "bytes": len(text)}
+
+
+@contextmanager
+def serving(model: str, store: str | None, log_path: Path, threads: int = 1, workers: int = 1, queue: int = 16,
+            timeout: float = 120, health_timeout_s: float = 600) -> Iterator[dict]:
+    """`kvmem serve` on a free loopback port (`kvmem.serve.local.LocalServer`), until /health answers 200; yields
+    its description (command, pid, base URL, health body). Stopped on the way out, whatever happened."""
+    from kvmem.serve.local import LocalServer
+
+    args = ["--workers", str(workers), "--queue", str(queue), "--threads", str(threads), "--timeout", f"{timeout:g}"]
+    args += ["--store", store] if store else []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.unlink(missing_ok=True)
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.monotonic()
+    with LocalServer(args, model, log_path, health_timeout_s, env) as server:
+        health = json.loads(_get(f"{server.url}/health")[1])
+        served = [m["id"] for m in json.loads(_get(f"{server.url}/v1/models")[1])["data"]]
+        yield dict(argv=server.argv, command=server.command, pid=server.pid, port=server.port, base=server.url,
+                   health=health, ready_s=round(time.monotonic() - t0, 2), served_models=served, log=log_path.name)
+
+
+# ---------------------------------------------------------------- the clients
+
+
+async def one_request(client, model: str, system: str, user: str, max_tokens: int, options: dict) -> dict:
+    """One streaming chat completion, timed. Never raises: a failure is the record's status and error."""
+    import openai
+
+    rec = dict(status="ok", error=None, ttft_s=None, latency_s=None, prompt_tokens=None, completion_tokens=None,
+               cached_tokens=None, finish_reason=None, text="", retry_after_s=None)
+    parts = []
+    t0 = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+            stream=True, stream_options={"include_usage": True}, temperature=0, max_tokens=max_tokens,
+            extra_body={"kvmem": options})
+        async for chunk in stream:
+            for choice in chunk.choices or []:
+                if choice.delta is not None and choice.delta.content:
+                    if rec["ttft_s"] is None:
+                        rec["ttft_s"] = time.perf_counter() - t0
+                    parts.append(choice.delta.content)
+                if choice.finish_reason:
+                    rec["finish_reason"] = choice.finish_reason
+            if chunk.usage is not None:
+                rec["prompt_tokens"], rec["completion_tokens"] = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+                details = chunk.usage.prompt_tokens_details
+                rec["cached_tokens"] = getattr(details, "cached_tokens", None) if details is not None else None
+        if rec["ttft_s"] is None:
+            rec["status"], rec["error"] = "error", "the stream ended without a content chunk"
+        elif rec["completion_tokens"] is None:
+            rec["status"], rec["error"] = "error", "the stream ended without a usage chunk"
+    except openai.RateLimitError as e:
+        rec["status"], rec["error"] = "429", _status_message(e)
+        try:
+            rec["retry_after_s"] = float(e.response.headers.get("retry-after"))
+        except (TypeError, ValueError):
+            rec["retry_after_s"] = None
+    except openai.APIStatusError as e:
+        rec["status"], rec["error"] = "error", _status_message(e)
+    except Exception as e:  # noqa: BLE001 - connection, timeout, a broken stream: the record says which
+        rec["status"], rec["error"] = "error", f"{type(e).__name__}: {e}"[:500]
+    rec["latency_s"] = time.perf_counter() - t0
+    rec["text"] = "".join(parts)
+    return rec
+
+
+def _status_message(e) -> str:
+    try:
+        body = e.response.text
+    except Exception:  # noqa: BLE001 - a streamed body may not be readable any more
+        body = str(e)
+    return f"HTTP {e.status_code}: {body}"[:500]
+
+
+async def _sample_rss(pid: int, t0: float, samples: list, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        kib = tree_rss_kib(pid)
+        if kib is not None:
+            samples.append([round(time.perf_counter() - t0, 3), kib])
+        try:
+            await asyncio.wait_for(stop.wait(), RSS_EVERY_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def drive(base: str, pid: int, model: str, system: str, questions: list[str], clients: int, duration_s: float,
+                max_tokens: int, request_timeout_s: float, options: dict, during: Callable | None = None,
+                log=print) -> dict:
+    """The warm-up request alone, then `clients` loops for `duration_s`; RSS sampled all along. `during(t0,
+    t_steady)` (a coroutine function) runs beside the clients (the soak's Redis outage); its result is returned
+    under "events". Times are seconds from t0, just before the warm-up."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=request_timeout_s)
+    records, samples, stop, seq = [], [], asyncio.Event(), itertools.count()
+    t0 = time.perf_counter()
+    sampler = asyncio.create_task(_sample_rss(pid, t0, samples, stop))
+
+    async def request(client_id: int, warmup: bool) -> dict:
+        k = next(seq)
+        start = time.perf_counter() - t0
+        rec = await one_request(client, model, system, question(k, questions), max_tokens, options)
+        rec = dict(seq=k, client=client_id, warmup=warmup, question=question(k, questions), t_start_s=round(start, 4),
+                   t_end_s=round(start + rec["latency_s"], 4), **rec)
+        records.append(rec)
+        return rec
+
+    async def loop(client_id: int, end_at: float) -> None:
+        while time.perf_counter() < end_at:
+            rec = await request(client_id, False)
+            if rec["status"] == "429":
+                await asyncio.sleep(min(rec["retry_after_s"] or 1.0, RETRY_AFTER_CAP_S))
+            elif rec["status"] == "error":
+                await asyncio.sleep(ERROR_PAUSE_S)
+
+    try:
+        warm = await request(-1, True)
+        log(f"  warm-up: {warm['status']} TTFT {warm['ttft_s'] or float('nan'):.2f} s, cached {warm['cached_tokens']} "
+            f"of {warm['prompt_tokens']} prompt tokens" + (f" ({warm['error']})" if warm["error"] else ""))
+        t_steady = time.perf_counter() - t0
+        end_at = time.perf_counter() + duration_s
+        side = asyncio.create_task(during(t0, t_steady)) if during else None
+        await asyncio.gather(*(loop(i, end_at) for i in range(clients)))
+        events = await side if side else None
+    finally:
+        stop.set()
+        await sampler
+        await client.close()
+    return dict(t_steady_s=round(t_steady, 4), t_stop_s=round(time.perf_counter() - t0, 4), requests=records,
+                rss=samples, events=events)
+
+
+async def replica_pairs(a_base: str, b_base: str, model: str, systems: list[str], questions: list[str],
+                        max_tokens: int, request_timeout_s: float, options: dict, log=print) -> list[dict]:
+    """Per system prompt: a request to replica A, then one with another question to replica B (one at a time)."""
+    from openai import AsyncOpenAI
+
+    pairs = []
+    clients = [AsyncOpenAI(base_url=f"{b}/v1", api_key="x", max_retries=0, timeout=request_timeout_s)
+               for b in (a_base, b_base)]
+    try:
+        for k, system in enumerate(systems):
+            a = await one_request(clients[0], model, system, questions[2 * k], max_tokens, options)
+            b = await one_request(clients[1], model, system, questions[2 * k + 1], max_tokens, options)
+            pairs.append(dict(system_prompt=k, a=a, b=b))
+            log(f"  knowledge base {k}: A {a['status']} TTFT {a['ttft_s'] or float('nan'):.2f} s (cached "
+                f"{a['cached_tokens']}), B {b['status']} TTFT {b['ttft_s'] or float('nan'):.2f} s (cached {b['cached_tokens']})")
+    finally:
+        for c in clients:
+            await c.close()
+    return pairs
+
+
+def redis_outage(redis, at_s: float, down_s: float, log=print) -> Callable:
+    """A `during` for `drive`: kill the redis-server `at_s` after the steady state starts, start it again
+    (same port, empty) `down_s` later; returns the two times (seconds from the phase's t0)."""
+
+    async def outage(t0: float, t_steady: float) -> dict:
+        await asyncio.sleep(max(0.0, t0 + t_steady + at_s - time.perf_counter()))
+        await asyncio.to_thread(redis.kill)
+        down = time.perf_counter() - t0
+        log(f"  redis-server stopped at {down:.1f} s")
+        await asyncio.sleep(down_s)
+        await asyncio.to_thread(redis.start)
+        up = time.perf_counter() - t0
+        log(f"  redis-server started again at {up:.1f} s")
+        return dict(redis_down_s=round(down, 4), redis_up_s=round(up, 4))
+
+    return outage
+
+
+# ---------------------------------------------------------------- the suite
+
+
+def _git_commit() -> str:
+    from kvmem.eval.longctx import git_commit
+
+    return git_commit()
+
+
+def _git_dirty() -> bool | None:
+    try:
+        r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=Path(__file__).parent, timeout=5)
+        return bool(r.stdout.strip()) if r.returncode == 0 else None
+    except OSError:
+        return None
+
+
+def default_command(out: Path, clients: int, duration_s: float, soak_s: float, redis_down_s: float | None,
+                    threads: int, model: str) -> str:
+    cmd = ["python", "-m", "kvmem.eval.load", "--out", str(out), "--model", model, "--clients", str(clients),
+           "--duration", f"{duration_s:g}", "--soak", f"{soak_s:g}", "--threads", str(threads)]
+    if redis_down_s is not None:
+        cmd += ["--redis-down", f"{redis_down_s:g}"]
+    return shlex.join(cmd)
+
+
+def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, duration_s: float = 120,
+                   soak_s: float = 180, redis_down_s: float | None = None, max_tokens: int = 16,
+                   system_tokens: int = 1500, threads: int = 1, workers: int = 1, queue: int = 16, timeout: float = 120,
+                   health_timeout_s: float = 600, phases: tuple[str, ...] = PHASES, command: str | None = None,
+                   log=print) -> Path:
+    """Run the phases (store on, store off, soak; each its own `kvmem serve`, one after another), write
+    OUT/load.json after each and OUT/report.md at the end; returns the report's path. `soak_s` 0 skips the soak;
+    the outage starts a third of the way into it and lasts `redis_down_s` (default min(20 s, a third of it)).
+    `command` is what the report says produced it (default: the `python -m kvmem.eval.load` equivalent)."""
+    from kvmem.eval.load_report import write_report
+
+    out = Path(out)
+    if unknown := set(phases) - set(PHASES):
+        raise KVMemError(f"unknown load phase(s) {sorted(unknown)}; the phases are {', '.join(PHASES)}")
+    if clients < 1 or duration_s <= 0:
+        raise KVMemError("the load test needs at least one client and a positive duration")
+    if soak_s <= 0:
+        phases = tuple(p for p in phases if p != "soak")
+    down_s = redis_down_s if redis_down_s is not None else min(20.0, soak_s / 3)
+    if "soak" in phases and not 0 < down_s < soak_s * 2 / 3:
+        raise KVMemError(f"the Redis outage ({down_s:g} s) must fit in the soak's last two thirds ({soak_s * 2 / 3:g} s)")
+    redis = None
+    if "soak" in phases:
+        from kvmem.store.tiers import LocalRedis
+
+        redis = LocalRedis()  # fails now, not after the other phases, when redis-server is missing
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(model)
+    system, n_system, n_docs = knowledge_base(tokenizer, system_tokens)
+    questions = question_list(n_docs)
+    result = dict(
+        command=command or default_command(out, clients, duration_s, soak_s, redis_down_s, threads, model),
+        commit=_git_commit(), uncommitted_changes=_git_dirty(), started=_now(), finished=None,
+        host=dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version()),
+        config=dict(model=model, clients=clients, duration_s=duration_s, soak_s=soak_s, redis_down_s=down_s,
+                    redis_down_at_s=soak_s / 3, max_tokens=max_tokens, temperature=0, threads=threads, workers=workers,
+                    queue=queue, timeout_s=timeout, kvmem_options=KVMEM_OPTIONS, kvmem_store_options=STORE_OPTIONS,
+                    system_prompt_tokens=n_system, system_prompt_documents=n_docs, questions=len(questions),
+                    rss_every_s=RSS_EVERY_S, retry_after_cap_s=RETRY_AFTER_CAP_S, phases=list(phases)),
+        system_prompt=system, phases={})
+    log(f"load test: {clients} clients, {duration_s:g} s per phase, system prompt {n_system} tokens ({n_docs} documents)")
+
+    def save() -> None:
+        (out / "load.json").write_text(json.dumps(result, indent=1))
+
+    try:
+        for name in phases:
+            if name == "replicas":
+                result["phases"][name] = replicas_phase(out, model, tokenizer, n_system, system_tokens, questions,
+                                                        max_tokens, threads, workers, queue, timeout, health_timeout_s, log)
+                save()
+                continue
+            store = {"store_on": "memory", "store_off": None}.get(name)
+            during, seconds = None, duration_s
+            if name == "soak":
+                redis.start()
+                store, seconds = redis.url, soak_s
+                during = redis_outage(redis, soak_s / 3, down_s, log)
+            log(f"{name}: kvmem serve --store {store or '(none)'}")
+            started = _now()
+            with serving(model, store, out / f"server-{name}.log", threads, workers, queue, timeout, health_timeout_s) as srv:
+                log(f"  ready in {srv['ready_s']:.1f} s (pid {srv['pid']}, port {srv['port']})")
+                served = model if not srv["served_models"] or model in srv["served_models"] else srv["served_models"][0]
+                metrics_start = scrape_metrics(srv["base"])
+                options = KVMEM_OPTIONS | (STORE_OPTIONS if store else {})
+                run = asyncio.run(drive(srv["base"], srv["pid"], served, system, questions, clients, seconds, max_tokens,
+                                        timeout + 30, options, during, log))
+                metrics_end = scrape_metrics(srv["base"])
+            phase = dict(name=name, store=store, kvmem_options=options, started=started, finished=_now(),
+                         duration_s=seconds, server=srv, metrics_start=metrics_start, metrics_end=metrics_end, **run)
+            phase.update(phase.pop("events") or {})
+            result["phases"][name] = phase
+            save()
+            steady = [r for r in run["requests"] if not r["warmup"]]
+            ok = [r for r in steady if r["status"] == "ok"]
+            log(f"  {len(ok)} ok of {len(steady)} steady-state requests; "
+                f"{sum(r['status'] == '429' for r in steady)} x 429, {sum(r['status'] == 'error' for r in steady)} errors")
+            if name == "soak":
+                redis.kill()
+    finally:
+        if redis is not None:
+            redis.kill()
+        result["finished"] = _now()
+        save()
+    return write_report(out)
+
+
+def replicas_phase(out: Path, model: str, tokenizer, n_system: int, system_tokens: int, questions: list[str],
+                   max_tokens: int, threads: int, workers: int, queue: int, timeout: float, health_timeout_s: float,
+                   log=print) -> dict:
+    """Two servers on one local redis-server; `replica_pairs` over knowledge bases made of abstracts the other
+    phases do not use."""
+    from kvmem.store.tiers import LocalRedis
+
+    systems, first = [], 40  # abstracts from the 40th on: none of them is in the other phases' prompt
+    for k in range(REPLICA_PROMPTS):
+        text, _, n_docs = knowledge_base(tokenizer, system_tokens, first)
+        systems.append(text)
+        first += n_docs
+    log(f"replicas: two kvmem serve --store memory,redis://... on one redis-server, {len(systems)} knowledge bases")
+    started = _now()
+    with LocalRedis() as redis:
+        store = f"memory,{redis.url}"
+        with serving(model, store, out / "server-replica-a.log", threads, workers, queue, timeout, health_timeout_s) as a, \
+                serving(model, store, out / "server-replica-b.log", threads, workers, queue, timeout, health_timeout_s) as b:
+            pairs = asyncio.run(replica_pairs(a["base"], b["base"], model, systems, questions, max_tokens, timeout + 30,
+                                              KVMEM_OPTIONS | STORE_OPTIONS, log))
+            metrics = {"a": scrape_metrics(a["base"]), "b": scrape_metrics(b["base"])}
+    return dict(name="replicas", store="memory,redis://(local)", started=started, finished=_now(), servers=[a, b],
+                pairs=pairs, metrics_end=metrics)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(prog="python -m kvmem.eval.load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("results/serve"))
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--duration", type=float, default=120, help="seconds of load in each of store on / store off")
+    p.add_argument("--soak", type=float, default=180, help="seconds of the soak with a Redis outage (0: none)")
+    p.add_argument("--redis-down", type=float, default=None, help="seconds Redis is down (default min(20, soak/3))")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--system-tokens", type=int, default=1500)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--queue", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=120)
+    p.add_argument("--phases", default=",".join(PHASES))
+    args = p.parse_args(argv)
+    command = shlex.join(["python", "-m", "kvmem.eval.load", *(sys.argv[1:] if argv is None else argv)])
+    report = run_load_suite(args.out, args.model, args.clients, args.duration, args.soak, args.redis_down, args.max_tokens,
+                            args.system_tokens, args.threads, args.workers, args.queue, args.timeout,
+                            phases=tuple(s.strip() for s in args.phases.split(",") if s.strip()), command=command)
+    print(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""The load test's report (OUT/report.md, plots) from OUT/load.json (`kvmem/eval/load.py` writes it and says what is
+measured).
+
+Per phase, the steady state (every request after the warm-up): requests/s (ok requests over the time from the
+steady state's start to its last request's end), TTFT p50 with a bootstrap 95% CI and p95, latency, decode time
+per token, mean cached tokens and the fraction of requests that loaded any, errors (goal 0) and 429s apart, peak
+RSS and its growth (median of the last quarter of the steady state's samples minus that of the first quarter).
+The warm-up request is its own table. Store on vs off: the ratio of the TTFT medians with a bootstrap CI (the
+two phases resampled independently) and whether the same question got the same answer. The soak: the same
+numbers before, during and after the Redis outage, and what the restart did (refill, then hits).
+
+Percentiles are numpy's (linear interpolation)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+PHASE_LABELS = {"store_on": "store on", "store_off": "store off", "soak": "soak (Redis only, restarted)"}
+N_BOOT = 2000
+METRIC_ROWS = 40  # per phase, of the metrics that changed
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if len(xs) else math.nan
+
+
+def _boot_medians(xs: list[float], n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    v = np.asarray(xs, dtype=float)
+    return np.median(v[rng.integers(0, v.size, size=(n_boot, v.size))], axis=1)
+
+
+def bootstrap_median(xs: list[float], n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """(median, lo, hi): the percentile-bootstrap CI of the median; NaNs for no values."""
+    if not len(xs):
+        return math.nan, math.nan, math.nan
+    reps = _boot_medians(xs, n_boot, np.random.default_rng(seed))
+    lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.median(xs)), float(lo), float(hi)
+
+
+def median_ratio(num: list[float], den: list[float], n_boot: int = N_BOOT, seed: int = 0,
+                 level: float = 0.95) -> tuple[float, float, float]:
+    """median(num) / median(den) with a bootstrap CI, the two samples resampled independently."""
+    if not len(num) or not len(den):
+        return math.nan, math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    reps = _boot_medians(num, n_boot, rng) / _boot_medians(den, n_boot, rng)
+    lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.median(num) / np.median(den)), float(lo), float(hi)
+
+
+def rss_growth(samples: list[list[float]], t_from: float = 0.0) -> dict:
+    """Peak RSS (all samples) and, over the samples from `t_from` on, the median of the first and of the last
+    quarter and their difference; MiB."""
+    peak = max((kib for _, kib in samples), default=math.nan) / 1024
+    xs = [kib for t, kib in samples if t >= t_from]
+    if not xs:
+        return dict(peak_mib=peak, first_mib=math.nan, last_mib=math.nan, growth_mib=math.nan, samples=0)
+    q = max(1, len(xs) // 4)
+    first, last = float(np.median(xs[:q])) / 1024, float(np.median(xs[-q:])) / 1024
+    return dict(peak_mib=peak, first_mib=first, last_mib=last, growth_mib=last - first, samples=len(xs))
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if len(xs) else math.nan
+
+
+def request_stats(reqs: list[dict]) -> dict:
+    """Counts and latency statistics of a set of request records (any phase, any interval)."""
+    ok = [r for r in reqs if r["status"] == "ok"]
+    ttft = [r["ttft_s"] for r in ok]
+    cached = [r["cached_tokens"] for r in ok if r["cached_tokens"] is not None]
+    decode = [(r["latency_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) * 1000 for r in ok
+              if r["completion_tokens"] and r["completion_tokens"] > 1]
+    hits = sum(c > 0 for c in cached)
+    return dict(requests=len(reqs), ok=len(ok), errors=sum(r["status"] == "error" for r in reqs),
+                rate_limited=sum(r["status"] == "429" for r in reqs), ttft_p50=bootstrap_median(ttft),
+                ttft_p95=percentile(ttft, 95), latency_p50=percentile([r["latency_s"] for r in ok], 50),
+                decode_ms_p50=percentile(decode, 50), completion_mean=_mean([r["completion_tokens"] for r in ok]),
+                cached_mean=_mean(cached), prompt_mean=_mean([r["prompt_tokens"] for r in ok if r["prompt_tokens"] is not None]),
+                hits=hits, hit_fraction=hits / len(cached) if cached else math.nan)
+
+
+def phase_summary(phase: dict) -> dict:
+    """The steady state's numbers (`request_stats` plus requests/s and RSS), the warm-up and the errors."""
+    reqs = phase["requests"]
+    steady = [r for r in reqs if not r["warmup"]]
+    stats = request_stats(steady)
+    window = max((r["t_end_s"] for r in steady), default=phase["t_steady_s"]) - phase["t_steady_s"]
+    stats["window_s"] = window
+    stats["requests_per_s"] = stats["ok"] / window if window > 0 else math.nan
+    stats["rss"] = rss_growth(phase["rss"], phase["t_steady_s"])
+    stats["warmup"] = [r for r in reqs if r["warmup"]]
+    stats["all_errors"] = sum(r["status"] == "error" for r in reqs)  # the warm-up's too: the goal is none at all
+    stats["all_429"] = sum(r["status"] == "429" for r in reqs)
+    stats["error_messages"] = Counter((r["status"], r["error"]) for r in reqs if r["status"] != "ok")
+    return stats
+
+
+def soak_intervals(phase: dict) -> dict[str, list[dict]]:
+    """The soak's steady-state requests against the outage [down, up]: ended before it, overlapping it (queued,
+    computed or streamed while Redis was down, or across a boundary), started after the restart."""
+    down, up = phase["redis_down_s"], phase["redis_up_s"]
+    out = {"before": [], "during": [], "after": []}
+    for r in phase["requests"]:
+        if not r["warmup"]:
+            out["before" if r["t_end_s"] <= down else "after" if r["t_start_s"] >= up else "during"].append(r)
+    return out
+
+
+def restart_refill(requests: list[dict], up: float) -> dict:
+    """What the requests that ended after the restart did, in the order they ended (the order a single worker
+    served them): the misses before the first hit (they refill the emptied Redis), when that hit ended, and how
+    many of the requests ending after it hit too."""
+    ok = sorted((r for r in requests if not r["warmup"] and r["status"] == "ok" and r["t_end_s"] > up
+                 and r["cached_tokens"] is not None), key=lambda r: r["t_end_s"])
+    first = ok[0]["cached_tokens"] if ok else None
+    hit = next((i for i, r in enumerate(ok) if r["cached_tokens"] > 0), None)
+    if hit is None:
+        return dict(requests=len(ok), misses_before_hit=len(ok), first_hit_after_s=None, later=0, later_hits=0,
+                    first_cached=first)
+    later = ok[hit + 1:]
+    return dict(requests=len(ok), misses_before_hit=hit, first_hit_after_s=ok[hit]["t_end_s"] - up, later=len(later),
+                later_hits=sum(r["cached_tokens"] > 0 for r in later), first_cached=first)
+
+
+def same_answers(a: dict, b: dict) -> tuple[int, int]:
+    """(equal, compared): answers of the two phases' ok requests to the same question."""
+    first = {r["question"]: r["text"] for r in a["requests"] if r["status"] == "ok"}
+    pairs = [(first[r["question"]], r["text"]) for r in b["requests"] if r["status"] == "ok" and r["question"] in first]
+    return sum(x == y for x, y in pairs), len(pairs)
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _ci(c: tuple[float, float, float], digits: int = 3) -> str:
+    return "" if math.isnan(c[0]) else f"{c[0]:.{digits}f} [{c[1]:.{digits}f}, {c[2]:.{digits}f}]"
+
+
+def _cell(text: object, limit: int = 300) -> str:
+    """Text safe inside a markdown table cell."""
+    return str(text).replace("|", "/").replace("\n", " ")[:limit]
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def _plots(data: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = {k: v for k, v in data["phases"].items() if k != "replicas"}  # the replicas phase has no load
+    made = []
+    colours = {"store_on": "tab:blue", "store_off": "tab:orange", "soak": "tab:green"}
+    compared = [p for p in ("store_on", "store_off") if p in phases]
+    if compared:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for name in compared:
+            ttft = np.sort([r["ttft_s"] for r in phases[name]["requests"] if not r["warmup"] and r["status"] == "ok"])
+            if ttft.size:
+                ax.step(ttft, np.arange(1, ttft.size + 1) / ttft.size, where="post", color=colours[name],
+                        label=f"{PHASE_LABELS[name]} (n={ttft.size})")
+            for r in phases[name]["requests"]:
+                if r["warmup"] and r["ttft_s"] is not None:
+                    ax.axvline(r["ttft_s"], color=colours[name], ls="--", lw=1, label=f"{PHASE_LABELS[name]}: warm-up")
+        ax.set(xscale="log", ylim=(0, 1.02), xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT, steady state (CDF)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "ttft.png", dpi=120)
+        plt.close(fig)
+        made.append("ttft.png")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, phase in phases.items():
+        if phase["rss"]:
+            t, kib = zip(*phase["rss"])
+            ax.plot(t, np.asarray(kib) / 1024, color=colours.get(name), label=PHASE_LABELS.get(name, name))
+    if "soak" in phases and phases["soak"].get("redis_down_s") is not None:
+        ax.axvspan(phases["soak"]["redis_down_s"], phases["soak"]["redis_up_s"], color="tab:green", alpha=0.12,
+                   label="soak: Redis down")
+    ax.set(xlabel="seconds from the phase's start", ylabel="server RSS (MiB)", title="server RSS over time")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "rss.png", dpi=120)
+    plt.close(fig)
+    made.append("rss.png")
+    soak = phases.get("soak")
+    if soak and soak.get("redis_down_s") is not None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.axvspan(soak["redis_down_s"], soak["redis_up_s"], color="grey", alpha=0.2, label="Redis down")
+        ok = [r for r in soak["requests"] if r["status"] == "ok" and not r["warmup"]]
+        for label, keep, colour in (("loaded from the store", lambda r: (r["cached_tokens"] or 0) > 0, "tab:blue"),
+                                    ("computed (miss)", lambda r: not (r["cached_tokens"] or 0) > 0, "tab:orange")):
+            pts = [(r["t_start_s"], r["ttft_s"]) for r in ok if keep(r)]
+            if pts:
+                ax.scatter(*zip(*pts), s=12, color=colour, label=label)
+        warm = [r for r in soak["requests"] if r["warmup"] and r["ttft_s"] is not None]
+        if warm:
+            ax.scatter([r["t_start_s"] for r in warm], [r["ttft_s"] for r in warm], marker="*", s=90, color="k",
+                       label="warm-up (fills the store)")
+        bad = [r["t_start_s"] for r in soak["requests"] if r["status"] != "ok"]
+        if bad:
+            ax.scatter(bad, [min((r["ttft_s"] for r in ok), default=0.01)] * len(bad), marker="x", color="red",
+                       label="error / 429")
+        ax.set(yscale="log", xlabel="request start (s from the soak's start)", ylabel="TTFT (s)",
+               title="soak: TTFT over time, Redis killed and restarted")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "soak.png", dpi=120)
+        plt.close(fig)
+        made.append("soak.png")
+    return made
+
+
+def _metric_changes(phase: dict) -> list[tuple[str, float, float]]:
+    """Samples that changed over the phase, histogram buckets and `_created` timestamps left out."""
+    a, b = phase.get("metrics_start", {}).get("values", {}), phase.get("metrics_end", {}).get("values", {})
+    skip = lambda k: k.split("{")[0].endswith(("_bucket", "_created"))  # noqa: E731
+    return [(k, a.get(k, math.nan), v) for k, v in b.items() if a.get(k) != v and not skip(k)]
+
+
+def replica_section(phase: dict) -> list[str]:
+    """Two replicas on one Redis: per knowledge base, TTFT on A (computed, written through) and on B (another
+    question, loaded from Redis); the paired ratio A / B as a geometric mean with a bootstrap CI of the mean log."""
+    from kvmem.eval.stats import bootstrap_mean
+
+    pairs = [p for p in phase["pairs"] if p["a"]["status"] == p["b"]["status"] == "ok"]
+    lines = ["", "## Two replicas on one Redis", "",
+             "Two `kvmem serve --store memory,redis://...` processes on one redis-server. Per knowledge base (one "
+             "neither has seen): a request to replica A, which computes the system prompt and writes its chunks through "
+             "to Redis, then another question on the same knowledge base to replica B, which loads them from Redis. "
+             "One request at a time.", "",
+             "| knowledge base | prompt tokens | A: TTFT s (cached) | B: TTFT s (cached from Redis) | A / B |",
+             "|---|---|---|---|---|"]
+    for p in phase["pairs"]:
+        a, b = p["a"], p["b"]
+        ratio = a["ttft_s"] / b["ttft_s"] if a["ttft_s"] and b["ttft_s"] else math.nan
+        lines.append(f"| {p['system_prompt']} | {a['prompt_tokens']} | {_f(a['ttft_s'])} ({a['cached_tokens']}) | "
+                     f"{_f(b['ttft_s'])} ({b['cached_tokens']}) | {_f(ratio, 1)} |")
+    if pairs:
+        logs = [math.log(p["a"]["ttft_s"] / p["b"]["ttft_s"]) for p in pairs]
+        m, lo, hi = bootstrap_mean(logs)
+        share = sum(p["b"]["cached_tokens"] / p["b"]["prompt_tokens"] for p in pairs) / len(pairs)
+        lines += ["", f"- TTFT, replica A (computed) / replica B (reused from A through Redis): {math.exp(m):.1f}× "
+                      f"[{math.exp(lo):.1f}, {math.exp(hi):.1f}] (geometric mean of {len(pairs)} pairs, bootstrap 95% CI); "
+                      f"B loaded {share:.1%} of its prompt tokens",
+                  f"- errors: {sum(p['a']['status'] != 'ok' or p['b']['status'] != 'ok' for p in phase['pairs'])}"]
+    return lines
+
+
+def write_report(out: Path) -> Path:
+    """OUT/report.md (and its plots) from OUT/load.json; returns the report's path."""
+    out = Path(out)
+    data = json.loads((out / "load.json").read_text())
+    cfg, phases = data["config"], {k: v for k, v in data["phases"].items() if k != "replicas"}
+    replicas = data["phases"].get("replicas")
+    summaries = {name: phase_summary(p) for name, p in phases.items()}
+    lines = ["# Load test: `kvmem serve` under concurrent clients", "",
+             f"Reproduce: `{data['command']}`", "",
+             f"Run {data['started']} to {data.get('finished') or '(unfinished)'}, commit {data['commit']}"
+             + (" with uncommitted changes" if data.get("uncommitted_changes") else "")
+             + f", {data['host']['cpus']} CPUs. Model {cfg['model']}, {cfg['clients']} concurrent clients for "
+               f"{cfg['duration_s']:g} s per phase (soak {cfg['soak_s']:g} s), `--threads {cfg['threads']} --workers "
+               f"{cfg['workers']} --queue {cfg['queue']}`. Each request: the shared system prompt ({cfg['system_prompt_tokens']} "
+               f"tokens, {cfg['system_prompt_documents']} abstracts) and a different question, streamed, temperature 0, "
+               f"max_tokens {cfg['max_tokens']}, kvmem options `{json.dumps(cfg['kvmem_options'])}`"
+               + (f" (with a store also `{json.dumps(cfg['kvmem_store_options'])}`)" if cfg.get("kvmem_store_options") else "")
+               + ". Every request is in "
+               "`load.json`; what is measured and why: `kvmem/eval/load.py`.", "",
+             "## Steady state per phase", "",
+             "After the warm-up request; requests/s = ok requests / (last request's end - steady state's start). TTFT: "
+             "until the first content chunk; p50 with its bootstrap 95% CI. Decode: (latency - TTFT) / (completion tokens - 1). "
+             "Cached: prompt tokens loaded from the store (`usage.prompt_tokens_details.cached_tokens`); hits: requests that "
+             "loaded any. Errors count the warm-up too (goal 0); 429s apart. RSS: the server's process tree; growth = "
+             "median of the steady state's last quarter of samples - its first quarter.", "",
+             "| phase | `--store` | ok / requests | req/s | TTFT p50 s [95% CI] | TTFT p95 s | latency p50 s | decode ms/token p50 "
+             "| mean cached / prompt tokens | hits | errors (goal 0) | 429s | peak RSS MiB | RSS growth MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in summaries.items():
+        rss = s["rss"]
+        lines.append(
+            f"| {PHASE_LABELS.get(name, name)} | {phases[name]['store'] or '(none)'} | {s['ok']} / {s['requests']} | "
+            f"{_f(s['requests_per_s'], 2)} | {_ci(s['ttft_p50'])} | {_f(s['ttft_p95'])} | {_f(s['latency_p50'])} | "
+            f"{_f(s['decode_ms_p50'], 1)} | {_f(s['cached_mean'], 0)} / {_f(s['prompt_mean'], 0)} | {s['hits']} / {s['ok']} | "
+            f"{s['all_errors']} ({_met(s['all_errors'] == 0)}) | {s['all_429']} | {_f(rss['peak_mib'], 0)} | "
+            f"{_f(rss['growth_mib'], 1)} ({_f(rss['first_mib'], 0)} → {_f(rss['last_mib'], 0)}) |")
+    lines += ["", "## The warm-up request (alone, before the clients start)", "",
+              "With a store it computes the system prompt and fills the store; without one it is the first cold request.", "",
+              "| phase | status | TTFT s | latency s | cached / prompt tokens | server ready after s |", "|---|---|---|---|---|---|"]
+    for name, s in summaries.items():
+        for r in s["warmup"]:
+            status = r["status"] + (f" (`{_cell(r['error'], 200)}`)" if r["error"] else "")
+            lines.append(f"| {PHASE_LABELS.get(name, name)} | {status} | "
+                         f"{_f(r['ttft_s'])} | {_f(r['latency_s'])} | {r['cached_tokens']} / {r['prompt_tokens']} | "
+                         f"{_f(phases[name]['server'].get('ready_s'), 1)} |")
+    if "store_on" in phases and "store_off" in phases:
+        on, off = (
+            [r["ttft_s"] for r in phases[p]["requests"] if not r["warmup"] and r["status"] == "ok"] for p in ("store_on", "store_off"))
+        ratio = median_ratio(off, on)
+        eq, n = same_answers(phases["store_off"], phases["store_on"])
+        lat = median_ratio([r["latency_s"] for r in phases["store_off"]["requests"] if not r["warmup"] and r["status"] == "ok"],
+                           [r["latency_s"] for r in phases["store_on"]["requests"] if not r["warmup"] and r["status"] == "ok"])
+        rps_on, rps_off = summaries["store_on"]["requests_per_s"], summaries["store_off"]["requests_per_s"]
+        lines += ["", "## Store on vs off", "",
+                  f"- TTFT p50, store off / store on: {_ci(ratio, 2)}× (bootstrap 95% CI, the phases resampled independently)",
+                  f"- latency p50, store off / store on: {_ci(lat, 2)}×",
+                  f"- requests/s: {_f(rps_on, 2)} with the store, {_f(rps_off, 2)} without"
+                  + (f" ({rps_on / rps_off:.2f}×)" if rps_off and not math.isnan(rps_off) and rps_off > 0 else ""),
+                  f"- same question, same answer (greedy) with and without the store: {eq} of {n}"]
+    soak = phases.get("soak")
+    if soak and soak.get("redis_down_s") is not None:
+        down, up = soak["redis_down_s"], soak["redis_up_s"]
+        parts = soak_intervals(soak)
+        st = {k: request_stats(v) for k, v in parts.items()}
+        refill = restart_refill(soak["requests"], up)
+        lines += ["", "## Soak: Redis killed and restarted", "",
+                  f"`--store {soak['store']}` only (no memory tier to hide the outage). redis-server killed at {down:.1f} s, "
+                  f"started again (empty) at {up:.1f} s ({up - down:.1f} s down), seconds from the soak's start. Requests: "
+                  "ended before the kill, overlapping the outage (queued, computed or streamed while Redis was down), "
+                  "started after the restart.", "",
+                  "| interval | ok / requests | errors | 429s | TTFT p50 s [95% CI] | TTFT p95 s | mean cached tokens | hits |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for k, x in st.items():
+            lines.append(f"| {k} | {x['ok']} / {x['requests']} | {x['errors']} | {x['rate_limited']} | {_ci(x['ttft_p50'])} | "
+                         f"{_f(x['ttft_p95'])} | {_f(x['cached_mean'], 0)} | {x['hits']} / {x['ok']} |")
+        b, d = st["before"]["ttft_p50"][0], st["during"]["ttft_p50"][0]
+        lines += ["", "Checks:", "",
+                  f"- requests succeed while Redis is down: {st['during']['ok']} of {st['during']['requests']} overlapping "
+                  f"the outage ok, {st['during']['errors']} errors: {_met(st['during']['errors'] == 0 and st['during']['requests'] > 0)}",
+                  f"- TTFT rises while it is down (the server recomputes): p50 {_f(d)} s vs {_f(b)} s before"
+                  + (f" ({d / b:.1f}×): {_met(d > b)}" if b and not math.isnan(b) and not math.isnan(d) else ": (not measured)"),
+                  f"- after the restart the store refills, then hits: of the {refill['requests']} requests that ended after it, "
+                  f"the first loaded {refill['first_cached']} tokens; {refill['misses_before_hit']} missed before the first hit"
+                  + (": no hit after the restart: NOT met" if refill["first_hit_after_s"] is None else
+                     f" (which ended {refill['first_hit_after_s']:.1f} s after the restart), then no later request to "
+                     "check (a longer soak shows it)" if not refill["later"] else
+                     f" (which ended {refill['first_hit_after_s']:.1f} s after the restart), then {refill['later_hits']} of "
+                     f"{refill['later']} later requests hit: {_met(refill['later_hits'] == refill['later'])}")]
+    if replicas:
+        lines += replica_section(replicas)
+    bad = [(name, status, msg, n) for name, s in summaries.items() for (status, msg), n in s["error_messages"].most_common()]
+    if bad:
+        lines += ["", "## Errors and 429s", "", "| phase | status | count | message |", "|---|---|---|---|"]
+        lines += [f"| {PHASE_LABELS.get(name, name)} | {status} | {n} | `{_cell(msg)}` |" for name, status, msg, n in bad]
+    rows = [(name, k, a, b) for name, p in phases.items() for k, a, b in _metric_changes(p)[:METRIC_ROWS]]
+    if rows:
+        lines += ["", "## Server metrics that changed (GET /metrics before the warm-up → after the last request)", "",
+                  "| phase | metric | start | end |", "|---|---|---|---|"]
+        lines += [f"| {PHASE_LABELS.get(n, n)} | `{k}` | {'(absent)' if math.isnan(a) else f'{a:g}'} | {b:g} |"
+                  for n, k, a, b in rows]
+    lines += [""] + [f"![{p[:-4]}]({p})" for p in _plots(data, out)]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return out / "report.md"
