@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 KVMEM  := $(VENV)/bin/kvmem
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-speed bench-retrieval bench-quant bench-reuse race race-setup clean
+.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-speed bench-retrieval bench-quant bench-reuse bench-serve race race-setup clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -41,7 +41,7 @@ TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa
 
 bench: setup
 	$(MAKE) -j2 bench-smollm2 bench-gemma
-	$(MAKE) bench-speed bench-retrieval bench-quant bench-reuse
+	$(MAKE) bench-speed bench-retrieval bench-quant bench-reuse bench-serve
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 bench-smollm2: setup
@@ -78,6 +78,14 @@ bench-reuse: setup redis
 	$(KVMEM) eval --suite reuse --models smollm2-135m --lengths 1024,4096,8192 --codecs $(REUSE_CODECS) --samples 10 --threads 1 --out results/reuse
 	$(KVMEM) eval --suite rag --models smollm2-135m --methods full,none,cacheblend,infoflow,infoflow-inorder --ratios 0.05,0.15,0.3 --samples 25 --threads 1 --out results/rag
 	$(PY) -c "from kvmem.eval.reuse_report import update_readme, write_report; write_report(__import__('pathlib').Path('results/reuse')); update_readme()"
+
+# Serve (issue 11): kvmem serve on loopback under 4 concurrent streaming clients (a shared 1.5k-token system prompt,
+# a different question each), 120 s with the store and 120 s without; two replicas on one redis-server (a knowledge
+# base computed by one, loaded by the other); a 180 s soak with Redis killed and restarted; batch size 1 vs 4
+# (about 13 minutes). 2 workers x 1 torch thread: on 2 cores, 1.65x the requests/s of 1 worker x 2 threads.
+bench-serve: setup redis
+	$(KVMEM) eval --suite serve --clients 4 --duration 120 --soak 180 --workers 2 --threads 1 --out results/serve
+	$(PY) -c "from kvmem.eval.load_report import update_readme; update_readme()"
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first 10 samples a task.

@@ -171,6 +171,7 @@ def eval_(
     clients: int = typer.Option(4, help="serve: concurrent clients."),
     duration: float = typer.Option(120, help="serve: seconds of load with the store on, then off."),
     soak: float = typer.Option(180, help="serve: seconds of the soak (Redis killed a third of the way in, restarted; 0: none)."),
+    workers: int = typer.Option(1, help="serve: the servers' --workers (--threads is their torch threads)."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
     retrieval: embedding methods on the offline retrieval sets (abstracts, questions).
@@ -220,7 +221,7 @@ def eval_(
 
         chosen = tuple(p for p in _csv(parts) if p in PHASES) or PHASES
         report = run_load_suite(out or Path("results/serve"), _csv(models)[0], clients, duration, soak,
-                                threads=threads or 1, phases=chosen, log=console.print,
+                                threads=threads or 1, workers=workers, phases=chosen, log=console.print,
                                 command=shlex.join(["kvmem", *sys.argv[1:]]))
         console.print(f"report: {report}")
         return

@@ -21,6 +21,9 @@ Phases, one server each, one after another (never side by side: on 2 CPU cores t
   neither has seen (other abstracts than the phases above), one request to replica A (computes the prompt and
   writes it through to Redis), then another question on the same knowledge base to replica B, which loads it
   from Redis: TTFT A (cold) against B (reused across replicas), paired, one request at a time.
+* `batching` (in this process, no server): what batch size 1 leaves on the table. The shared system prompt is
+  prefilled once; then 4 answers of `BATCHING_TOKENS` tokens each are decoded one after another (batch size 1,
+  as a worker does) and all 4 in one batch (`kvmem.generate.answer_batch`); tokens/s of both, same threads.
 * `soak` (`--store redis://...` only, so no memory tier hides the outage): a local redis-server is killed a third
   of the way in and restarted (empty) `redis_down_s` later. While it is down requests must still succeed (the
   server recomputes; TTFT rises); after the restart the first requests refill it and later ones hit again. RSS
@@ -58,8 +61,9 @@ DATA = Path(__file__).parent / "data"
 RSS_EVERY_S = 0.5
 RETRY_AFTER_CAP_S = 5.0
 ERROR_PAUSE_S = 0.5  # after an error, so a dead server is not hammered in a tight loop
-PHASES = ("store_on", "store_off", "soak", "replicas")
+PHASES = ("store_on", "store_off", "soak", "replicas", "batching")
 REPLICA_PROMPTS = 8  # distinct knowledge bases in the replicas phase
+BATCH, BATCHING_TOKENS = 4, 48  # the batching phase: rows, and tokens decoded per row
 KVMEM_OPTIONS = {"ignore_eos": True}  # every phase; with a store, also:
 STORE_OPTIONS = {"use_store": True, "fill_store": True}  # (a server without one refuses them: 400)
 QUESTION_TEMPLATES = (
@@ -423,6 +427,17 @@ def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, dur
                     system_prompt_tokens=n_system, system_prompt_documents=n_docs, questions=len(questions),
                     rss_every_s=RSS_EVERY_S, retry_after_cap_s=RETRY_AFTER_CAP_S, phases=list(phases)),
         system_prompt=system, phases={})
+    result["runs"] = [dict(command=result["command"], phases=list(phases), commit=result["commit"], started=result["started"])]
+    previous = out / "load.json"
+    if previous.exists():  # phases of an earlier run with the same workload are kept (the report lists both commands)
+        old = json.loads(previous.read_text())
+        same = all(old.get("config", {}).get(k) == result["config"][k] for k in ("model", "system_prompt_tokens", "max_tokens"))
+        if same:
+            kept = {k: v for k, v in old["phases"].items() if k not in phases}
+            result["phases"].update(kept)
+            result["runs"] = [r for r in old.get("runs", [dict(command=old["command"], phases=list(old["phases"]),
+                                                                commit=old["commit"], started=old["started"])])
+                              if set(r["phases"]) & set(kept)] + result["runs"]
     log(f"load test: {clients} clients, {duration_s:g} s per phase, system prompt {n_system} tokens ({n_docs} documents)")
 
     def save() -> None:
@@ -430,6 +445,11 @@ def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, dur
 
     try:
         for name in phases:
+            if name == "batching":
+                log(f"batching: batch size 1 vs {BATCH} in this process ({threads} threads)")
+                result["phases"][name] = batching_phase(model, system, threads, log=log)
+                save()
+                continue
             if name == "replicas":
                 result["phases"][name] = replicas_phase(out, model, tokenizer, n_system, system_tokens, questions,
                                                         max_tokens, threads, workers, queue, timeout, health_timeout_s, log)
@@ -493,6 +513,38 @@ def replicas_phase(out: Path, model: str, tokenizer, n_system: int, system_token
             metrics = {"a": scrape_metrics(a["base"]), "b": scrape_metrics(b["base"])}
     return dict(name="replicas", store="memory,redis://(local)", started=started, finished=_now(), servers=[a, b],
                 pairs=pairs, metrics_end=metrics)
+
+
+def batching_phase(model: str, system: str, threads: int, repeats: int = 3, log=print) -> dict:
+    """Decode tokens/s at batch size 1 (one answer after another) and `BATCH` (one batch), on one prefilled prompt."""
+    import torch
+
+    from kvmem.compress import get_method
+    from kvmem.generate import answer_batch, feed, new_cache
+    from kvmem.models import load_model
+    from kvmem.prompts import chat_prompt
+
+    torch.set_num_threads(threads)
+    lm = load_model(model)
+    prompt = chat_prompt(lm.tokenizer, [{"role": "system", "content": system},
+                                        {"role": "user", "content": "Count from 1 to 200, separated by commas."}])
+    cache = new_cache(lm, get_method("full"))
+    feed(lm, cache, prompt.context)
+    runs = []
+    for _ in range(repeats):  # alternated, so that a slow spell of the machine hits both
+        t = time.perf_counter()
+        single = [answer_batch(lm, [cache], prompt.question, BATCHING_TOKENS, stop_at_newline=False)[0]
+                  for _ in range(BATCH)]
+        t_single = time.perf_counter() - t
+        t = time.perf_counter()
+        batched = answer_batch(lm, [cache] * BATCH, prompt.question, BATCHING_TOKENS, stop_at_newline=False)
+        t_batched = time.perf_counter() - t
+        runs.append(dict(single_s=t_single, single_tokens=sum(map(len, single)), batched_s=t_batched,
+                         batched_tokens=sum(map(len, batched)), same_tokens=single == batched))
+        log(f"  batch 1: {runs[-1]['single_tokens'] / t_single:.1f} tokens/s; batch {BATCH}: "
+            f"{runs[-1]['batched_tokens'] / t_batched:.1f} tokens/s")
+    return dict(name="batching", batch=BATCH, tokens_per_row=BATCHING_TOKENS, threads=threads,
+                context_tokens=len(prompt.context), runs=runs)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -22,6 +22,7 @@ import numpy as np
 
 PHASE_LABELS = {"store_on": "store on", "store_off": "store off", "soak": "soak (Redis only, restarted)"}
 N_BOOT = 2000
+NOT_LOAD = ("replicas", "batching")  # phases with their own sections, no clients looping
 METRIC_ROWS = 40  # per phase, of the metrics that changed
 
 
@@ -159,7 +160,7 @@ def _plots(data: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    phases = {k: v for k, v in data["phases"].items() if k != "replicas"}  # the replicas phase has no load
+    phases = {k: v for k, v in data["phases"].items() if k not in NOT_LOAD}
     made = []
     colours = {"store_on": "tab:blue", "store_off": "tab:orange", "soak": "tab:green"}
     compared = [p for p in ("store_on", "store_off") if p in phases]
@@ -229,6 +230,28 @@ def _metric_changes(phase: dict) -> list[tuple[str, float, float]]:
     return [(k, a.get(k, math.nan), v) for k, v in b.items() if a.get(k) != v and not skip(k)]
 
 
+def batching_gain(phase: dict) -> tuple[float, float, float]:
+    """Decode throughput at batch B over batch 1: (median ratio over the runs, min, max)."""
+    r = [(x["batched_tokens"] / x["batched_s"]) / (x["single_tokens"] / x["single_s"]) for x in phase["runs"]]
+    return float(np.median(r)), min(r), max(r)
+
+
+def batching_section(phase: dict) -> list[str]:
+    g = batching_gain(phase)
+    lines = ["", "## What batch size 1 leaves on the table", "",
+             f"The engine decodes one sequence per worker. Here, in one process with {phase['threads']} threads, one "
+             f"{phase['context_tokens']}-token prompt is prefilled once, then {phase['batch']} answers of "
+             f"{phase['tokens_per_row']} tokens are decoded one after another (batch 1) and together in one batch "
+             "(`kvmem.generate.answer_batch`), alternately.", "",
+             f"| run | batch 1 tokens/s | batch {phase['batch']} tokens/s | gain | same tokens |", "|---|---|---|---|---|"]
+    for i, x in enumerate(phase["runs"]):
+        a, b = x["single_tokens"] / x["single_s"], x["batched_tokens"] / x["batched_s"]
+        lines.append(f"| {i} | {a:.1f} | {b:.1f} | {b / a:.2f}× | {x['same_tokens']} |")
+    lines += ["", f"- batching {phase['batch']} requests' decode steps: {g[0]:.2f}× the tokens/s (runs {g[1]:.2f} to "
+                  f"{g[2]:.2f}) on this CPU; on a GPU, where a batch-1 step leaves the device mostly idle, far more"]
+    return lines
+
+
 def replica_section(phase: dict) -> list[str]:
     """Two replicas on one Redis: per knowledge base, TTFT on A (computed, written through) and on B (another
     question, loaded from Redis); the paired ratio A / B as a geometric mean with a bootstrap CI of the mean log."""
@@ -258,15 +281,83 @@ def replica_section(phase: dict) -> list[str]:
     return lines
 
 
+def headline(data: dict) -> list[str]:
+    """The figures the issue asks for, as bullets (the report's Headline and the README's serve block)."""
+    phases = data["phases"]
+    cfg, out = data["config"], []
+    sums = {k: phase_summary(v) for k, v in phases.items() if k not in NOT_LOAD}
+    if "store_on" in sums and "store_off" in sums:
+        on, off = sums["store_on"], sums["store_off"]
+        ttft = lambda p: [r["ttft_s"] for r in phases[p]["requests"] if not r["warmup"] and r["status"] == "ok"]  # noqa: E731
+        ratio = median_ratio(ttft("store_off"), ttft("store_on"))
+        out += [f"- **TTFT under load** ({cfg['clients']} clients, a {cfg['system_prompt_tokens']}-token shared system "
+                f"prompt, a different question each): p50 {_ci(on['ttft_p50'], 2)} s with the store, "
+                f"{_ci(off['ttft_p50'], 2)} s without: **{_ci(ratio, 1)}×** (p95 {_f(on['ttft_p95'], 2)} vs "
+                f"{_f(off['ttft_p95'], 2)} s)",
+                f"- **requests/s**: {_f(on['requests_per_s'], 2)} with the store, {_f(off['requests_per_s'], 2)} without "
+                f"(one worker, batch size 1, {cfg['max_tokens']} tokens per answer)"]
+    errors = sum(s["all_errors"] for s in sums.values())
+    limited = sum(s["all_429"] for s in sums.values())
+    total = sum(len(phases[k]["requests"]) for k in sums)
+    out.append(f"- **errors**: {errors} of {total} requests (goal 0: {_met(errors == 0)}); 429s: {limited}")
+    if sums:
+        peak = max(s["rss"]["peak_mib"] for s in sums.values())
+        growth = ", ".join(f"{PHASE_LABELS.get(k, k)} {_f(s['rss']['growth_mib'], 0)}" for k, s in sums.items())
+        out.append(f"- **server memory**: peak RSS {_f(peak, 0)} MiB; growth over each phase's steady state (MiB, "
+                   f"last quarter - first): {growth}")
+    rep = phases.get("replicas")
+    if rep:
+        pairs = [p for p in rep["pairs"] if p["a"]["status"] == p["b"]["status"] == "ok"]
+        if pairs:
+            from kvmem.eval.stats import bootstrap_mean
+
+            m, lo, hi = bootstrap_mean([math.log(p["a"]["ttft_s"] / p["b"]["ttft_s"]) for p in pairs])
+            out.append(f"- **two replicas on one Redis**: a knowledge base computed by replica A is loaded by replica B; "
+                       f"TTFT A / B {math.exp(m):.1f}× [{math.exp(lo):.1f}, {math.exp(hi):.1f}] over {len(pairs)} "
+                       f"knowledge bases (median B TTFT {_f(percentile([p['b']['ttft_s'] for p in pairs], 50), 2)} s)")
+    if phases.get("batching"):
+        g = batching_gain(phases["batching"])
+        out.append(f"- **batch size 1** (one sequence per worker) leaves {g[0]:.2f}× decode throughput on this CPU "
+                   f"(batch {phases['batching']['batch']} in one forward vs one after another)")
+    soak = phases.get("soak")
+    if soak and soak.get("redis_down_s") is not None:
+        st = {k: request_stats(v) for k, v in soak_intervals(soak).items()}
+        out.append(f"- **soak, Redis killed and restarted**: {st['during']['ok']} of {st['during']['requests']} requests "
+                   f"overlapping the {soak['redis_up_s'] - soak['redis_down_s']:.0f} s outage succeeded (recomputed: TTFT "
+                   f"p50 {_f(st['during']['ttft_p50'][0], 2)} s vs {_f(st['before']['ttft_p50'][0], 2)} s before); after "
+                   f"the restart {st['after']['hits']} of {st['after']['ok']} hit the refilled store")
+    return out
+
+
+README_BLOCK = ("<!-- serve: regenerated from results/serve/report.md by `make bench-serve` -->", "<!-- /serve -->")
+
+
+def update_readme(results: Path = Path("results/serve"), readme: Path = Path("README.md")) -> None:
+    """Replace the README's serve block with the report's Headline."""
+    report = (results / "report.md").read_text()
+    lines = report[report.index("## Headline") + len("## Headline"):].split("\n## ")[0].strip()
+    body = (f"{README_BLOCK[0]}\n**Serve** (issue 11; `make bench-serve`): `kvmem serve` under concurrent clients on "
+            f"loopback. Full report: [results/serve/report.md](results/serve/report.md).\n\n{lines}\n{README_BLOCK[1]}")
+    text = readme.read_text()
+    if README_BLOCK[0] in text:
+        start, end = text.index(README_BLOCK[0]), text.index(README_BLOCK[1]) + len(README_BLOCK[1])
+        text = text[:start] + body + text[end:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
+    readme.write_text(text)
+
+
 def write_report(out: Path) -> Path:
     """OUT/report.md (and its plots) from OUT/load.json; returns the report's path."""
     out = Path(out)
     data = json.loads((out / "load.json").read_text())
-    cfg, phases = data["config"], {k: v for k, v in data["phases"].items() if k != "replicas"}
-    replicas = data["phases"].get("replicas")
+    cfg, phases = data["config"], {k: v for k, v in data["phases"].items() if k not in NOT_LOAD}
+    replicas, batching = data["phases"].get("replicas"), data["phases"].get("batching")
     summaries = {name: phase_summary(p) for name, p in phases.items()}
     lines = ["# Load test: `kvmem serve` under concurrent clients", "",
-             f"Reproduce: `{data['command']}`", "",
+             *(f"Reproduce: `{r['command']}`" + (f" (phases {', '.join(r['phases'])}; commit {r['commit']})"
+                                                 if len(data.get("runs", [])) > 1 else "")
+               for r in data.get("runs", [data])), "",
              f"Run {data['started']} to {data.get('finished') or '(unfinished)'}, commit {data['commit']}"
              + (" with uncommitted changes" if data.get("uncommitted_changes") else "")
              + f", {data['host']['cpus']} CPUs. Model {cfg['model']}, {cfg['clients']} concurrent clients for "
@@ -277,6 +368,7 @@ def write_report(out: Path) -> Path:
                + (f" (with a store also `{json.dumps(cfg['kvmem_store_options'])}`)" if cfg.get("kvmem_store_options") else "")
                + ". Every request is in "
                "`load.json`; what is measured and why: `kvmem/eval/load.py`.", "",
+             "## Headline", "", *headline(data), "",
              "## Steady state per phase", "",
              "After the warm-up request; requests/s = ok requests / (last request's end - steady state's start). TTFT: "
              "until the first content chunk; p50 with its bootstrap 95% CI. Decode: (latency - TTFT) / (completion tokens - 1). "
@@ -348,6 +440,8 @@ def write_report(out: Path) -> Path:
                      f"{refill['later']} later requests hit: {_met(refill['later_hits'] == refill['later'])}")]
     if replicas:
         lines += replica_section(replicas)
+    if batching:
+        lines += batching_section(batching)
     bad = [(name, status, msg, n) for name, s in summaries.items() for (status, msg), n in s["error_messages"].most_common()]
     if bad:
         lines += ["", "## Errors and 429s", "", "| phase | status | count | message |", "|---|---|---|---|"]
