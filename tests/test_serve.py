@@ -247,6 +247,19 @@ def test_a_request_past_its_timeout_gets_504(server):
     wait_idle(server, 5)
 
 
+def test_a_request_that_waits_too_long_in_the_queue_gets_504(server):
+    wait_idle(server)
+    busy = threading.Thread(target=lambda: httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                                                      json=LONG | {"max_tokens": 40}))
+    busy.start()
+    time.sleep(0.5)  # the one worker is taken
+    r = httpx.post(server.url + "/v1/chat/completions", json=LONG | {"kvmem": {"ignore_eos": True, "timeout": 1}},
+                   timeout=60)
+    busy.join()
+    assert r.status_code == 504 and "waiting in the queue" in r.json()["error"]["message"]
+    wait_idle(server, 5)
+
+
 def test_a_full_queue_answers_429_with_retry_after(server):
     wait_idle(server)
     results: list[httpx.Response] = []

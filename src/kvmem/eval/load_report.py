@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmem.eval.readme import replace_block
+
 PHASE_LABELS = {"store_on": "store on", "store_off": "store off", "soak": "soak (Redis only, restarted)"}
 N_BOOT = 2000
 NOT_LOAD = ("replicas", "batching")  # phases with their own sections, no clients looping
@@ -295,7 +297,8 @@ def headline(data: dict) -> list[str]:
                 f"{_ci(off['ttft_p50'], 2)} s without: **{_ci(ratio, 1)}×** (p95 {_f(on['ttft_p95'], 2)} vs "
                 f"{_f(off['ttft_p95'], 2)} s)",
                 f"- **requests/s**: {_f(on['requests_per_s'], 2)} with the store, {_f(off['requests_per_s'], 2)} without "
-                f"(one worker, batch size 1, {cfg['max_tokens']} tokens per answer)"]
+                f"({cfg['workers']} worker(s) x {cfg['threads']} torch thread(s), batch size 1, {cfg['max_tokens']} tokens per "
+                f"answer)"]
     errors = sum(s["all_errors"] for s in sums.values())
     limited = sum(s["all_429"] for s in sums.values())
     total = sum(len(phases[k]["requests"]) for k in sums)
@@ -338,13 +341,7 @@ def update_readme(results: Path = Path("results/serve"), readme: Path = Path("RE
     lines = report[report.index("## Headline") + len("## Headline"):].split("\n## ")[0].strip()
     body = (f"{README_BLOCK[0]}\n**Serve** (issue 11; `make bench-serve`): `kvmem serve` under concurrent clients on "
             f"loopback. Full report: [results/serve/report.md](results/serve/report.md).\n\n{lines}\n{README_BLOCK[1]}")
-    text = readme.read_text()
-    if README_BLOCK[0] in text:
-        start, end = text.index(README_BLOCK[0]), text.index(README_BLOCK[1]) + len(README_BLOCK[1])
-        text = text[:start] + body + text[end:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + body + "\n"
-    readme.write_text(text)
+    replace_block(readme, README_BLOCK, body)
 
 
 def write_report(out: Path) -> Path:

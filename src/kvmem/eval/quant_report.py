@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvmem.errors import KVMemError
 from kvmem.eval.quant import FULL, HF_BASELINES, TEN_X, delta_ppl, read_records
+from kvmem.eval.readme import replace_block
 from kvmem.eval.stats import Interval, bootstrap_mean, paired_difference
 
 COMMAND = "make bench-quant"
@@ -281,6 +282,4 @@ def update_readme(results: Path = Path("results/quant"), readme: Path = Path("RE
             "paired block-bootstrap CIs on held-out 2048-token texts; tasks on SmolLM2 2k's usable tasks, n as shown). "
             "Full tables and the eviction x quantization frontier: [results/quant/report.md](results/quant/report.md)."
             f"\n\n{targets}\n{README_BLOCK[1]}")
-    text = readme.read_text()
-    start, end = text.index("<!-- quant:"), text.index(README_BLOCK[1]) + len(README_BLOCK[1])
-    readme.write_text(text[:start] + body + text[end:])
+    replace_block(readme, README_BLOCK, body)

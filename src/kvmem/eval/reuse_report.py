@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvmem.eval.quant import read_records
+from kvmem.eval.readme import replace_block
 
 COMMAND = "make bench-reuse"
 SPEEDUP_GOAL = 20.0  # at 8k, from memory or disk
@@ -181,10 +182,4 @@ def update_readme(results: Path = Path("results/reuse"), readme: Path = Path("RE
             "(prompt = document + question; the document's chunks and its partial last chunk stored), per tier and codec, and what each codec "
             "costs. Full tables: [results/reuse/report.md](results/reuse/report.md); documents reused at new positions "
             f"(cacheblend, infoflow): [results/rag/report.md](results/rag/report.md).\n\n{goals}\n{README_BLOCK[1]}")
-    text = readme.read_text()
-    if README_BLOCK[0] in text:
-        start, end = text.index(README_BLOCK[0]), text.index(README_BLOCK[1]) + len(README_BLOCK[1])
-        text = text[:start] + body + text[end:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + body + "\n"
-    readme.write_text(text)
+    replace_block(readme, README_BLOCK, body)

@@ -181,13 +181,15 @@ class Engine:
         """The events of an admitted job. Leaving the loop early (the client disconnected) cancels the job; its
         worker slot is released when its thread has returned."""
         try:
-            if not await self._take_slot(job.deadline):
-                yield Event("error", data={"status": 504, "type": "timeout",
-                                           "message": f"timed out after {job.timeout_s:g} s waiting in the queue"})
-                return
+            slot = await self._take_slot(job.deadline)
         except BaseException:
             self.active.discard(job)
             raise
+        if not slot:
+            self.active.discard(job)
+            yield Event("error", data={"status": 504, "type": "timeout",
+                                       "message": f"timed out after {job.timeout_s:g} s waiting in the queue"})
+            return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         future = self._start(self._work, job, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
