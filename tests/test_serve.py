@@ -239,6 +239,22 @@ def test_a_client_that_disconnects_cancels_its_generation(server):
     assert metric(server, "kvmem_kv_bytes_held") == 0
 
 
+def test_a_client_that_leaves_during_the_prefill_stops_it(server):
+    """A ~6k-token prompt, not stored: tens of seconds of prefill on 2 cores; the client gives up after 2 s and the
+    worker stops at the next 512-token piece."""
+    wait_idle(server)
+    cancelled = metric(server, "kvmem_cancelled_requests_total")
+    long_prompt = {"model": MODEL, "max_tokens": 4, "kvmem": {"use_store": False, "fill_store": False},
+                   "messages": [{"role": "user", "content": system_prompt(30) + "\n\nWhich abstract is the longest?"}]}
+    t = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=long_prompt | {"stream": True}, timeout=2)
+    wait_idle(server, 12)
+    assert time.monotonic() - t < 12  # a 6k prefill alone takes longer
+    assert metric(server, "kvmem_cancelled_requests_total") == cancelled + 1
+    assert metric(server, "kvmem_kv_bytes_held") == 0
+
+
 def test_a_request_past_its_timeout_gets_504(server):
     wait_idle(server)
     r = httpx.post(server.url + "/v1/chat/completions", json=LONG | {"kvmem": {"ignore_eos": True, "timeout": 1.5}},

@@ -42,6 +42,20 @@ def feed(lm: LoadedModel, cache: KVCache, ids: Tensor | list[int]) -> Tensor:
     return out.logits[0, -1]
 
 
+PIECE = 512  # tokens per forward of an interruptible prefill
+
+
+def feed_pieces(lm: LoadedModel, cache: KVCache, ids: list[int], interrupt=None) -> Tensor:
+    """`feed`, in pieces of `PIECE` tokens with `interrupt()` called before each (it raises to stop) when given;
+    one forward otherwise."""
+    if interrupt is None:
+        return feed(lm, cache, ids)
+    for s in range(0, len(ids), PIECE):
+        interrupt()
+        logits = feed(lm, cache, ids[s:s + PIECE])
+    return logits
+
+
 @torch.no_grad()
 def nll(lm: LoadedModel, cache: KVCache, ids: list[int]) -> float:
     """Mean negative log-likelihood of `ids[1:]` given the cache and `ids[0]` (for perplexity)."""
@@ -191,22 +205,23 @@ class Prepared:
 
 
 def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: float = 1.0, query_aware: bool = False,
-            quant: str | None = None, store=None) -> Prepared:
+            quant: str | None = None, store=None, interrupt=None) -> Prepared:
     """Prefill `prompt` into a new cache and compress its context with `method` (`answer` without the decoding;
     the server decodes with its own sampling). A prompt whose context is the template head alone has nothing to
-    compress: it is read as it is."""
+    compress: it is read as it is. With `interrupt` (the server's cancelled requests), the prefill runs in pieces
+    and `interrupt()` is called before each; it raises to stop."""
     m = get_method(method)
     ctx, q = prompt.context, prompt.question
     has_document = len(ctx) > prompt.head
     cache = new_cache(lm, m, quant)
     if store is not None:
         logits, full_bytes, kept, report = _prefill_with_store(lm, cache, m, keep_ratio, query_aware, quant, prompt, store,
-                                                               has_document)
+                                                               has_document, interrupt)
         return Prepared(cache, logits, full_bytes, kept, report)
     if not has_document:
-        logits = feed(lm, cache, ctx + q)
+        logits = feed_pieces(lm, cache, ctx + q, interrupt)
         return Prepared(cache, logits, cache.kv_bytes(), cache.kv_bytes())
-    feed(lm, cache, ctx + q[:-1] if query_aware else ctx)
+    feed_pieces(lm, cache, ctx + q[:-1] if query_aware else ctx, interrupt)
     full_bytes = cache.kv_bytes()
     compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None,
              context=ModelContext(lm, ctx, prompt.head))
@@ -217,7 +232,7 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
 
 
 def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: float, query_aware: bool,
-                        quant: str | None, prompt, store, has_document: bool):
+                        quant: str | None, prompt, store, has_document: bool, interrupt=None):
     """`answer`'s prefill and compression through a chunk store. Returns the logits of the last prompt token,
     the bytes held before and after compression (before the question is fed) and the reuse report. Uncompressed prompts reuse any stored prefix;
     a context compressed before its question reuses its stored compressed form (valid for exactly that
@@ -231,10 +246,10 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
     # a scorer that reads the last queries (or all attention) must see them computed, not loaded
     min_tail = len(ctx) + len(q) if m.needs_attention else m.observe_window + 1
     if not compressing:
-        logits, report = prefill(lm, cache, ctx + q, store, context_end=len(ctx) or None)
+        logits, report = prefill(lm, cache, ctx + q, store, context_end=len(ctx) or None, interrupt=interrupt)
         return logits, cache.kv_bytes(), cache.kv_bytes(), report
     if query_aware:  # the question is compressed with the context: only the raw prefix can be reused
-        _, report = prefill(lm, cache, ctx + q[:-1], store, min_tail=min_tail, context_end=len(ctx))
+        _, report = prefill(lm, cache, ctx + q[:-1], store, min_tail=min_tail, context_end=len(ctx), interrupt=interrupt)
         full_bytes = cache.kv_bytes()
         compress(cache, m, keep_ratio, protect_from=len(ctx), context=ModelContext(lm, ctx, prompt.head))
         cache.drop_observations()
@@ -246,7 +261,8 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
         full_bytes = report.full_kv_bytes
     else:
         t = time.perf_counter()
-        _, report = prefill(lm, cache, ctx, store, min_tail=min(min_tail, len(ctx)), report=report, context_end=len(ctx))
+        _, report = prefill(lm, cache, ctx, store, min_tail=min(min_tail, len(ctx)), report=report, context_end=len(ctx),
+                            interrupt=interrupt)
         full_bytes = cache.kv_bytes()
         compress(cache, m, keep_ratio, context=ModelContext(lm, ctx, prompt.head))
         # what computing this compressed context costs from scratch: the reused raw prefix's cost included

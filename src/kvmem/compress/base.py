@@ -239,6 +239,11 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
     shares = {i: [max(1, math.ceil(ratios[i] * n)) for n in sizes[i]] for i in views}
     counts = allocate(method.budget, {i: [s[:n] for s, n in zip(scores[i], sizes[i])] for i in views}, shares, n_layers,
                       head_scores)
+    # a razor compensation token takes a slot of its head's share; when the shares leave none (a context of a few
+    # tokens, every head at its one-row minimum) no compensation token is added, so the budget still holds
+    compensate = method.budget == "razor" and sum(
+        min(c, n) + (c < n and not layers[i].is_sliding) for i in views for c, n in zip(counts[i], sizes[i])
+    ) <= sum(map(sum, shares.values()))
     for i, layer in layers.items():
         keep, compensation = [], []
         for view, score, n, n_keep in zip(views[i], scores[i], sizes[i], counts[i]):
@@ -251,8 +256,7 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
                                   "attention": view.attention[:, :n] if view.attention is not None else None})
                 chosen = method.select(sub, score[:n], n_keep)
             keep.append(torch.cat([chosen, protected]))
-            compensation.append(_compensation(view, region, chosen) if method.budget == "razor" and not layer.is_sliding
-                                else None)
+            compensation.append(_compensation(view, region, chosen) if compensate and not layer.is_sliding else None)
         layer.keep_only(keep)
         if any(row is not None for row in compensation):
             layer.add_rows(compensation)

@@ -105,7 +105,8 @@ TAIL = "context-tail"  # the namespace of a context's last, partial chunk (valid
 
 @torch.no_grad()
 def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_tail: int = 1,
-            report: ReuseReport | None = None, context_end: int | None = None) -> tuple[torch.Tensor, ReuseReport]:
+            report: ReuseReport | None = None, context_end: int | None = None,
+            interrupt=None) -> tuple[torch.Tensor, ReuseReport]:
     """Prefill `ids` into the empty `cache` in chunk-aligned pieces, loading the longest stored prefix first (at
     least `min_tail` tokens are computed: the last token's logits are needed, and a scorer may need the queries
     of the last tokens) and saving every full chunk computed. Returns the last token's logits and the report.
@@ -113,7 +114,8 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
     `context_end`: where the reusable context ends (`Prompt.context`; the question follows). Its last, partial
     chunk is stored too, under a key of exactly the context's tokens, so a request with the same context and
     another question computes only the question; a piece also ends there, so cold and warm runs compute the
-    same pieces (raw reuse stays bit-identical)."""
+    same pieces (raw reuse stays bit-identical). `interrupt()` is called before each piece (it raises to stop: the
+    server's cancelled requests)."""
     ids = list(ids)
     if not ids:
         raise KVMemError("nothing to prefill: empty token list")
@@ -151,11 +153,12 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
         t = time.perf_counter()
         import_chunks(cache, loaded, start)
         report.import_s = time.perf_counter() - t
-    return compute_rest(lm, cache, ids, start, store, keys, n, report, context_end, tail_key), report
+    return compute_rest(lm, cache, ids, start, store, keys, n, report, context_end, tail_key, interrupt), report
 
 
 def compute_rest(lm, cache: KVCache, ids: list[int], start: int, store: ChunkStore | None, keys: list[str], n: int,
-                 report: ReuseReport, context_end: int | None = None, tail_key: str | None = None) -> torch.Tensor:
+                 report: ReuseReport, context_end: int | None = None, tail_key: str | None = None,
+                 interrupt=None) -> torch.Tensor:
     """Prefill ids[start:] on top of the cache in pieces that end on chunk boundaries and at `context_end` (`start`
     may fall inside a chunk), saving each chunk completed (its first rows may have been loaded) and, under
     `tail_key`, the context's partial last chunk; returns the last token's logits."""
@@ -168,6 +171,8 @@ def compute_rest(lm, cache: KVCache, ids: list[int], start: int, store: ChunkSto
         e = min((s // n + 1) * n, len(ids))
         if context_end is not None and s < context_end < e:
             e = context_end
+        if interrupt is not None:
+            interrupt()
         t = time.perf_counter()
         logits = feed(lm, cache, ids[s:e])
         if store is not None and e % n == 0:

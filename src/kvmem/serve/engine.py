@@ -11,8 +11,9 @@ serving while a forward runs); at most `workers` run at once, at most `queue` mo
 refused at once. Nothing mutable is shared between requests except the chunk store, which is made for it
 (locked counters, thread-safe tiers): each job builds its cache (`kvmem.generate.prepare`), its compressor,
 its random generator and, for embeddings, its hooks (`kvmem.embed.base.this_thread_only`). A job is
-cancelled (the client went away) or times out between two tokens: its worker returns and its KV is freed.
-A prefill, one forward per chunk, is not interrupted.
+cancelled (the client went away) or times out between two tokens, or between two pieces of its prefill (512
+tokens, or the store's chunks): its worker returns and its KV is freed. (cacheblend/infoflow prefills are not
+interrupted.)
 
 Batch size is 1: each worker decodes one sequence. On 2 CPU cores the forward of one token already uses
 both, so batching would buy little here; on a GPU it is most of the throughput (see the README).
@@ -37,6 +38,10 @@ from kvmem.models import LoadedModel
 from kvmem.prompts import Prompt
 
 REUSE_MODES = ("prefix", "cacheblend", "infoflow")
+
+
+class Stopped(Exception):
+    """A job's prefill stopped between two pieces: cancelled (the client went away) or past its deadline."""
 
 
 class Busy(Exception):
@@ -223,7 +228,11 @@ class Engine:
         if store is not None:
             store = store.policy(read=o.use_store, write=o.fill_store) if (o.use_store or o.fill_store) else None
         if o.reuse == "prefix":
-            p = prepare(self.lm, job.prompt, o.method, o.keep_ratio, o.query_aware, o.quant, store)
+            def interrupt():
+                if job.cancel.is_set() or time.monotonic() > job.deadline:
+                    raise Stopped()
+
+            p = prepare(self.lm, job.prompt, o.method, o.keep_ratio, o.query_aware, o.quant, store, interrupt)
             return p.cache, p.logits, p.reuse.reused_tokens if p.reuse is not None else 0, p.kv_bytes_full, p.kv_bytes
         from kvmem.reuse.blend import load_document, precompute, store_document, assemble_and_answer
 
@@ -251,7 +260,13 @@ class Engine:
                                       "message": f"timed out after {job.timeout_s:g} s before prefill"}))
             return False
         t0 = time.monotonic()
-        cache, logits, reused, kv_full, kv_kept = self._prefill(job)
+        try:
+            cache, logits, reused, kv_full, kv_kept = self._prefill(job)
+        except Stopped:
+            if not job.cancel.is_set():
+                emit(Event("error", choice, data={"status": 504, "type": "timeout",
+                                                  "message": f"timed out after {job.timeout_s:g} s during the prefill"}))
+            return False
         job.kv_bytes = cache.kv_bytes()
         emit(Event("prefilled", choice, data={"reused_tokens": reused, "prefill_s": time.monotonic() - t0,
                                               "kv_bytes": kv_kept, "kv_bytes_full": kv_full}))
