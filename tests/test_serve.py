@@ -211,6 +211,8 @@ def test_errors_through_the_client_and_the_server_stays_up(client, server):
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": ""})
     assert r.status_code == 400 and "non-empty" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": [[10**9]]})
+    assert r.status_code == 400 and "token ids must be in" in r.json()["error"]["message"]
     assert httpx.get(server.url + "/nowhere").status_code == 404
     assert "Paris" in client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
                                                      max_tokens=10).choices[0].message.content
@@ -360,3 +362,19 @@ def test_serve_refuses_bad_settings_before_loading():
     assert r.exit_code == 2 and "keep ratio must be in (0, 1]" in r.output
     r = CliRunner().invoke(app, ["serve", "--method", "nope"])
     assert r.exit_code == 2 and "unknown method" in r.output
+
+
+def test_gemma_sliding_window_reuse_through_the_server():
+    """Gemma-3 (MQA, sliding 512 + global layers): a system prompt longer than the window, stored by one request,
+    is loaded by the next, and greedy decoding from it is the same as from the computed prompt."""
+    messages = [{"role": "system", "content": system_prompt(3)}, {"role": "user", "content": "Summarize the first one."}]
+    with LocalServer(["--store", "memory", "--threads", "2"], model="gemma3-270m") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        ask = lambda: client.chat.completions.create(model="gemma3-270m", messages=messages, temperature=0,  # noqa: E731
+                                                     max_tokens=8)
+        cold, warm = ask(), ask()
+        assert cold.usage.prompt_tokens > 600 and cold.usage.prompt_tokens_details.cached_tokens == 0
+        assert warm.usage.prompt_tokens_details.cached_tokens > 512  # past the sliding window
+        assert warm.choices[0].message.content == cold.choices[0].message.content
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=MODEL, messages=FRANCE)  # this server serves gemma3-270m only

@@ -438,6 +438,8 @@ def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, wor
         items = body.input if isinstance(body.input, list) else [body.input]
         if items and isinstance(items[0], int):
             items = [items]
+        if any(not isinstance(x, str) and any(not 0 <= t < len(lm.tokenizer) for t in x) for x in items):
+            fail(400, f"input token ids must be in [0, {len(lm.tokenizer)})", param="input")
         texts = [x if isinstance(x, str) else lm.tokenizer.decode(x) for x in items]
         if not texts or any(not t.strip() for t in texts):
             fail(400, "input must hold at least one non-empty text", param="input")
