@@ -1,7 +1,8 @@
 """Attention that reads kvmem's storage, registered with transformers as `attn_implementation="kvmem"`.
 
 A layer whose positions are still the contiguous range transformers assumes runs transformers' own SDPA
-with the model's mask (bit-identical to an uncompressed cache). A compressed layer passes its own mask,
+with the model's mask (bit-identical to an uncompressed cache), except a quantized layer's decode step, which
+needs no mask and reads its decoded rows here (GQA without repeat_kv's copy). A compressed layer passes its own mask,
 built from the original positions of the rows it holds (causal, sliding window, rows standing for several
 tokens), or none when every query may see every row (a decode step, usually):
 
@@ -36,13 +37,18 @@ def visible(key_pos: Tensor, query_pos: Tensor, sliding_window: int | None) -> T
     return allowed
 
 
+def sees_all(key_pos: Tensor, query_pos: Tensor, sliding_window: int | None) -> bool:
+    """Whether every query at `query_pos` may attend every row at `key_pos` (no mask needed)."""
+    return bool(key_pos.numel()) and int(key_pos.max()) <= int(query_pos.min()) and (
+        sliding_window is None or int(key_pos.min()) > int(query_pos.max()) - sliding_window)
+
+
 def rows_mask(key_pos: Tensor, query_pos: Tensor, sliding_window: int | None,
               log_weights: Tensor | None = None, dtype: torch.dtype = torch.float32) -> Tensor | None:
     """The mask of queries at `query_pos` (Q,) over rows at `key_pos` (heads, T): None when every query sees
     every row; bool (heads, Q, T); or, with row log-weights (heads, T), additive: log-weight where visible,
     -inf elsewhere."""
-    if log_weights is None and key_pos.numel() and int(key_pos.max()) <= int(query_pos.min()) and (
-            sliding_window is None or int(key_pos.min()) > int(query_pos.max()) - sliding_window):
+    if log_weights is None and sees_all(key_pos, query_pos, sliding_window):
         return None
     allowed = visible(key_pos, query_pos, sliding_window)
     if log_weights is None:

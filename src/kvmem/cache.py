@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvmem.attention import ATTENTION_NAME, rows_mask  # noqa: F401  (importing registers kvmem's attention)
+from kvmem.attention import ATTENTION_NAME, rows_mask, sees_all  # noqa: F401  (importing registers kvmem's attention)
 from kvmem.errors import KVMemError
 from kvmem.observe import Observation
 from kvmem.quant import QuantizedRows, Scheme, get_scheme
@@ -207,15 +207,21 @@ class KVLayer(CacheLayerMixin):
             self.log_weights = [torch.cat([w, w.new_zeros(n_new)]) for w in self.log_weights]
         self.next_position = max(self.next_position, int(new_pos.max()) + 1)
         # What attention sees, taken before a sliding layer drops what later tokens cannot see.
-        heads = self.rows.heads()
-        if len({k.shape[0] for k, _, _ in heads}) == 1:  # dense: live rows of the shared buffer, no copy
-            keys, values, positions = self.rows.live() if self.dense else map(torch.stack, zip(*heads))
+        stacked = self.rows.stacked()
+        if stacked is not None:  # every head equally long: (H, T, D), a view of dense storage (no copy)
+            keys, values, positions = stacked
+            heads = list(zip(keys, values, positions))
             if self.compressed:
                 lw = torch.stack(self.log_weights) if self.log_weights is not None else None
                 mask = rows_mask(positions, new_pos, self.sliding_window, lw, self.dtype)
                 kwargs["kvmem_mask"] = None if mask is None else mask[None]
+            elif self.quant is not None and sees_all(positions, new_pos, self.sliding_window):
+                # a quantized layer's decode step: its decoded rows are a fresh copy (no bit-identity with
+                # transformers' path to keep), so kvmem's attention reads them without repeat_kv's GQA copy
+                kwargs["kvmem_mask"] = None
             keys, values = keys[None], values[None]
         else:  # heads of different lengths: attention runs per KV head on its exact rows (nothing padded)
+            heads = self.rows.heads()
             lws = self.log_weights or [None] * len(heads)
             kwargs["kvmem_heads"] = [(k, v, _first(rows_mask(p[None], new_pos, self.sliding_window,
                                                             None if w is None else w[None], self.dtype)))

@@ -14,6 +14,8 @@ variants) stays on the key through `move`; `rotate`/`unrotate` are the pure rota
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
@@ -48,9 +50,27 @@ def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
+class _LastAngles(threading.local):
+    """The last angles `rotate` computed, per thread: a quantizer of pre-RoPE keys rotates every head of every
+    layer to the same positions at each decode step, and they change only when a block is encoded."""
+
+    positions: Tensor | None = None
+    inv_freq: Tensor | None = None
+    cos_sin: tuple[Tensor, Tensor] | None = None
+
+
+_last = _LastAngles()
+
+
 def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     """RoPE at `positions` (T,) applied to x (..., T, D)."""
-    return apply_rotation(x, *angles(positions, inv_freq))
+    last = _last
+    if not (last.positions is not None and last.positions.shape == positions.shape and last.inv_freq.shape == inv_freq.shape
+            and last.positions.device == positions.device and torch.equal(last.positions, positions)
+            and torch.equal(last.inv_freq, inv_freq)):
+        last.cos_sin = angles(positions, inv_freq)
+        last.positions, last.inv_freq = positions.clone(), inv_freq.clone()
+    return apply_rotation(x, *last.cos_sin)
 
 
 def unrotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:

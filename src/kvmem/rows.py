@@ -6,6 +6,8 @@ different rows (per-head budgets), so storage is per head. Every storage class k
 * `append(keys, values, positions)`: the same new tokens for every head, in place;
 * `keep(indices)`: a new storage holding exactly these rows per head (the old buffers are released);
 * `heads()`: per head, full-precision (keys, values, positions) for attention and scorers;
+* `stacked()`: the same as (H, T, D) tensors when every head holds T rows (None otherwise), what a
+  forward's attention reads;
 * `kv_tensors()` / `position_tensors()`: what is held, for `kvmem.cache.storage_bytes`;
 * `export_rows()` and `import_rows()`: rows in a portable form (per head tensors plus the codec's
   metadata), the unit the chunk store keeps.
@@ -51,6 +53,12 @@ class Rows:
     def heads(self) -> list[tuple[Tensor, Tensor, Tensor]]:
         raise NotImplementedError
 
+    def stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(H, T, D) keys and values and (H, T) positions when every head holds T rows, else None."""
+        if len(set(self.lengths())) != 1:
+            return None
+        return tuple(map(torch.stack, zip(*self.heads())))
+
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """Add `keys`/`values` (H, Q, D) at `positions` (Q,) to every head."""
         raise NotImplementedError
@@ -95,6 +103,8 @@ class DenseRows(Rows):
     def live(self) -> tuple[Tensor, Tensor, Tensor]:
         """(H, T, D) keys and values and (H, T) positions, views of the buffers."""
         return self.k[:, :self.n], self.v[:, :self.n], self.p[:, :self.n]
+
+    stacked = live
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         q = keys.shape[1]

@@ -83,6 +83,17 @@ class Scheme:
     def decode(self, keys: Encoded, values: Encoded, positions: Tensor, head: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    def decode_heads(self, keys: list[Encoded | None], values: list[Encoded | None], positions: list[Tensor],
+                     out_keys: Tensor, out_values: Tensor) -> None:
+        """Every head's encoded rows decoded into `out_keys[h, :n_h]` / `out_values[h, :n_h]` (the layer's stacked
+        buffers; None: head h has no encoded rows). Head by head here; a scheme that can decode all heads in one
+        pass overrides it (per-op overhead, not arithmetic, dominates a decode step on CPU)."""
+        for h, (k, v, p) in enumerate(zip(keys, values, positions)):
+            if k is not None:
+                dk, dv = self.decode(k, v, p[:k.rows], h)
+                out_keys[h, :k.rows].copy_(dk)
+                out_values[h, :k.rows].copy_(dv)
+
     @property
     def spec(self) -> str:
         return self.name
@@ -122,6 +133,21 @@ class QuantizedRows(Rows):
             k, v = self.scheme.decode(qk, qv, p[:qk.rows], h)
             out.append((torch.cat([k, rk]), torch.cat([v, rv]), p))
         return out
+
+    def stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Every head decoded straight into one (H, T, D) buffer per K and V (no per-head copies to join):
+        what a forward's attention reads. Freed after that forward; only the encoded rows are held."""
+        lengths = self.lengths()
+        if len(set(lengths)) != 1:
+            return None
+        rk, rv = self.rk[0], self.rv[0]
+        keys = rk.new_empty((len(lengths), lengths[0], rk.shape[-1]))
+        values = rv.new_empty((len(lengths), lengths[0], rv.shape[-1]))
+        self.scheme.decode_heads(self.qk, self.qv, self.p, keys, values)
+        for h, (qk, rk, rv) in enumerate(zip(self.qk, self.rk, self.rv)):
+            n = qk.rows if qk is not None else 0
+            keys[h, n:], values[h, n:] = rk, rv
+        return keys, values, torch.stack(self.p)
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         for h in range(len(self.p)):

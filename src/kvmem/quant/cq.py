@@ -224,8 +224,9 @@ class CoupledQuantization(Scheme):
         """The rows (n, groups * c), float32, that codes `q` stand for."""
         codes = q.codes()  # (n, groups)
         book = book.to(codes.device, torch.float32)
-        groups = torch.arange(q.groups, device=codes.device)
-        return book[groups[None, :], codes].reshape(q.rows, -1)
+        offsets = torch.arange(q.groups, device=codes.device) * book.shape[1]  # group g's centroids start at g * K
+        flat = book.reshape(-1, book.shape[-1]).index_select(0, (codes + offsets).reshape(-1))  # one flat gather
+        return flat.reshape(q.rows, -1)
 
     def encode(self, keys: Tensor, values: Tensor, positions: Tensor, head: int) -> tuple[Codes, Codes]:
         self._bound()

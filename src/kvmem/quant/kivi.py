@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kvmem.errors import KVMemError
 from kvmem.quant.base import Scheme
-from kvmem.quant.pack import Quantized, dequantize, quantize
+from kvmem.quant.pack import Quantized, dequantize, quantize, stack
 from kvmem.spec import format_spec
 
 
@@ -37,6 +37,14 @@ class KIVI(Scheme):
 
     def decode(self, keys: Quantized, values: Quantized, positions: Tensor, head: int) -> tuple[Tensor, Tensor]:
         return dequantize(keys), dequantize(values)
+
+    def decode_heads(self, keys: list[Quantized | None], values: list[Quantized | None], positions: list[Tensor],
+                     out_keys: Tensor, out_values: Tensor) -> None:
+        rows = {k.rows if k is not None else 0 for k in keys}
+        if len(rows) != 1 or not (n := rows.pop()):
+            return super().decode_heads(keys, values, positions, out_keys, out_values)
+        for parts, out in ((keys, out_keys), (values, out_values)):  # all heads at once: one (H, n, D) tensor
+            dequantize(stack(parts), out[:, :n])
 
     @property
     def spec(self) -> str:

@@ -192,7 +192,8 @@ class KVQuant(Scheme):
         return k, v
 
     def _levels(self, coded: SparseCoded, levels: Tensor) -> Tensor:
-        return levels[unpack(coded.codes, self.bits, coded.dim).long()]
+        codes = unpack(coded.codes, self.bits, coded.dim)
+        return levels.index_select(0, codes.reshape(-1).int()).view(codes.shape)  # a flat gather: faster than levels[codes]
 
     @staticmethod
     def _sparse(x: Tensor, coded: SparseCoded) -> Tensor:

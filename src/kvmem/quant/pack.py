@@ -45,8 +45,8 @@ def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 8:
         return packed[..., :n]
     if 8 % bits == 0:  # whole codes per byte (1, 2, 4 bits): byte j holds codes j*8/bits.. at increasing shifts
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
+        # one whole-tensor shift per code slot, then interleaved (faster on CPU than one broadcast shift)
+        codes = torch.stack([(packed >> s) & ((1 << bits) - 1) for s in range(0, 8, bits)], dim=-1)
         return codes.reshape(*packed.shape[:-1], -1)[..., :n]
     b = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, bits)
     word = (b << (torch.arange(bits, device=b.device) * 8)).sum(-1)
@@ -111,18 +111,38 @@ def quantize(x: Tensor, bits: int, group: int, dim: int = -1) -> Quantized:
     return Quantized(pack(codes, bits), scale, zero, bits, group, dim, tuple(x.shape), x.dtype)
 
 
-def dequantize(q: Quantized) -> Tensor:
-    codes = unpack(q.packed, q.bits, q.shape[-1]).to(torch.float32)
-    if len(q.shape) == 2:  # a head's (T, D) rows, the cache's case: no moved copies, one fused multiply-add
-        t, d = q.shape
-        if q.dim == 0:  # groups of `group` rows per channel; scale (D, T / group)
-            x = torch.addcmul(q.zero.t().float()[:, None, :], codes.view(t // q.group, q.group, d), q.scale.t().float()[:, None, :])
-        else:  # groups of `group` channels per row; scale (T, D / group)
-            x = torch.addcmul(q.zero.float()[..., None], codes.view(t, d // q.group, q.group), q.scale.float()[..., None])
-        return x.view(t, d).to(q.dtype)
-    codes = codes.movedim(q.dim, -1)
-    x = codes.reshape(*codes.shape[:-1], -1, q.group) * q.scale.float()[..., None] + q.zero.float()[..., None]
-    return x.reshape(codes.shape).movedim(-1, q.dim).to(q.dtype)
+def dequantize(q: Quantized, out: Tensor | None = None) -> Tensor:
+    """x from its quantized form, written into `out` (x's shape) when given."""
+    codes = unpack(q.packed, q.bits, q.shape[-1])
+    nd = len(q.shape)
+    if nd >= 2 and q.dim >= nd - 2:  # rows (..., T, D), the cache's case: one multiply and one add, no moved copies
+        *lead, t, d = q.shape
+        if q.dim == nd - 2:  # groups of `group` rows per channel; scale (..., D, T / group), made contiguous
+            codes = codes.view(*lead, t // q.group, q.group, d)
+            scale, zero = (z.transpose(-1, -2).float().contiguous()[..., None, :] for z in (q.scale, q.zero))
+        else:  # groups of `group` channels per row; scale (..., T, D / group)
+            codes = codes.view(*lead, t, d // q.group, q.group)
+            scale, zero = q.scale.float()[..., None], q.zero.float()[..., None]
+        direct = out is not None and out.dtype == torch.float32
+        x = torch.mul(codes, scale, out=out.view(codes.shape) if direct else None).add_(zero)  # uint8 codes read once
+        if direct:
+            return out
+        x = x.view(q.shape).to(q.dtype)
+    else:
+        codes = codes.to(torch.float32).movedim(q.dim, -1)
+        x = codes.reshape(*codes.shape[:-1], -1, q.group) * q.scale.float()[..., None] + q.zero.float()[..., None]
+        x = x.reshape(codes.shape).movedim(-1, q.dim).to(q.dtype)
+    return x if out is None else out.copy_(x)
+
+
+def stack(parts: list[Quantized]) -> Quantized:
+    """Quantized tensors of one shape stacked along a new leading dim (as torch.stack of the x's)."""
+    first = parts[0]
+    if any((p.bits, p.group, p.dim, p.shape) != (first.bits, first.group, first.dim, first.shape) for p in parts):
+        raise KVMemError("stacked quantized parts must share bits, group, grouped dim and shape")
+    return Quantized(torch.stack([p.packed for p in parts]), torch.stack([p.scale for p in parts]),
+                     torch.stack([p.zero for p in parts]), first.bits, first.group, first.dim + 1,
+                     (len(parts), *first.shape), first.dtype)
 
 
 def concat(parts: list[Quantized], dim: int) -> Quantized:
