@@ -106,6 +106,21 @@ def test_rope_round_trip_and_move():
     assert not torch.allclose(rotate(k, p, freq), k)
 
 
+def test_remembered_angles_never_serve_other_positions_or_frequencies():
+    """`rotate` keeps the last angles it computed: a call at other positions (even the same tensor changed in
+    place) or other frequencies must compute its own."""
+    from kvmem.rope import angles, apply_rotation
+
+    freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    k, p = torch.randn(6, 16), torch.tensor([0, 1, 5, 90, 1000, 8000])
+    exact = lambda pos, f: apply_rotation(k, *angles(pos, f))  # noqa: E731
+    assert torch.equal(rotate(k, p, freq), exact(p, freq))
+    p += 1
+    assert torch.equal(rotate(k, p, freq), exact(p, freq))
+    assert torch.equal(rotate(k, p, 2 * freq), exact(p, 2 * freq))
+    assert torch.equal(rotate(k[:3], p[:3], freq), apply_rotation(k[:3], *angles(p[:3], freq)))
+
+
 def test_moved_keys_are_the_keys_the_model_computes_at_the_new_positions(tiny_llama):
     """Layer 0's keys depend on the token alone, before RoPE: the same tokens fed at an offset give the
     cached keys moved by that offset."""

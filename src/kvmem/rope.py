@@ -52,7 +52,8 @@ def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class _LastAngles(threading.local):
     """The last angles `rotate` computed, per thread: a quantizer of pre-RoPE keys rotates every head of every
-    layer to the same positions at each decode step, and they change only when a block is encoded."""
+    layer to the same positions at each decode step, and they change only when a block is encoded. Only
+    tables up to MEMO_ELEMENTS are kept, so an idle thread holds at most 2 x 16 MiB."""
 
     positions: Tensor | None = None
     inv_freq: Tensor | None = None
@@ -60,6 +61,7 @@ class _LastAngles(threading.local):
 
 
 _last = _LastAngles()
+MEMO_ELEMENTS = 1 << 22  # positions x head_dim of the largest table remembered
 
 
 def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
@@ -68,8 +70,10 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     if not (last.positions is not None and last.positions.shape == positions.shape and last.inv_freq.shape == inv_freq.shape
             and last.positions.device == positions.device and torch.equal(last.positions, positions)
             and torch.equal(last.inv_freq, inv_freq)):
-        last.cos_sin = angles(positions, inv_freq)
-        last.positions, last.inv_freq = positions.clone(), inv_freq.clone()
+        cos_sin = angles(positions, inv_freq)
+        if positions.numel() * 2 * inv_freq.numel() > MEMO_ELEMENTS:
+            return apply_rotation(x, *cos_sin)
+        last.cos_sin, last.positions, last.inv_freq = cos_sin, positions.clone(), inv_freq.clone()
     return apply_rotation(x, *last.cos_sin)
 
 
