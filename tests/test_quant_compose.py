@@ -80,3 +80,35 @@ def test_cli_generate_with_a_calibrated_scheme(tmp_path):
                                       "--max-new-tokens", "6"])
     assert result.exit_code == 0, result.output
     assert "kvquant-2:sequences=1:length=128" in result.output and "KV held" in result.output
+
+
+@pytest.mark.parametrize("scheme", ["kvquant-2", "rotatekv-2", "cq-2"])
+def test_all_heads_at_once_encode_and_decode_exactly_as_head_by_head(scheme, smollm2):
+    """Schemes that encode and decode every head of a layer in one pass (fewer, larger ops: a decode step reads
+    every layer's whole history) give bit for bit what their per-head `encode` / `decode` give, with the heads
+    at the same positions and at their own (as after per-head eviction)."""
+    from kvmem.quant.base import Scheme
+
+    prepared = get_scheme(QUICK[scheme], smollm2)
+    assert type(prepared).decode_heads is not Scheme.decode_heads  # (rotatekv encodes blocks of 32 rows head by head)
+    assert scheme == "rotatekv-2" or type(prepared).encode_heads is not Scheme.encode_heads
+    ids = smollm2.tokenizer(CONTEXT, return_tensors="pt").input_ids[0].tolist()
+    full = KVCache(smollm2.model.config)
+    with torch.no_grad():
+        feed(smollm2, full, ids)
+    view = prepared.for_layer(3)
+    heads = full.layers[3].rows.heads()
+    keys, values = torch.stack([k for k, _, _ in heads]), torch.stack([v for _, v, _ in heads])
+    same = torch.stack([p for _, _, p in heads])
+    own = same + 7 * torch.arange(len(heads), dtype=torch.int32)[:, None]  # other positions per head
+    for positions in (same, own):
+        together = view.encode_heads(keys, values, positions)
+        alone = [view.encode(k, v, p, h) for h, (k, v, p) in enumerate(zip(keys, values, positions))]
+        for pair_a, pair_b in zip(together, alone):
+            for a, b in zip(pair_a, pair_b):
+                assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors(), strict=True))
+        out = [torch.empty_like(keys) for _ in range(4)]
+        view.decode_heads([k for k, _ in together], [v for _, v in together], list(positions), out[0], out[1])
+        Scheme.decode_heads(view, [k for k, _ in alone], [v for _, v in alone], list(positions), out[2], out[3])
+        assert torch.equal(out[0], out[2]) and torch.equal(out[1], out[3])
+        assert (out[0] - keys).abs().max() > 1e-3  # the rows really went through the codes

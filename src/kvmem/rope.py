@@ -39,8 +39,9 @@ def rope_frequencies(model, layer: int) -> Tensor:
 
 
 def angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """cos and sin (len(positions), head_dim) of the rotation at each position."""
-    angle = positions.float()[:, None] * inv_freq.float()[None]  # in float32, as transformers computes them
+    """cos and sin (*positions.shape, head_dim) of the rotation at each position (positions (T,), or (H, T): one
+    row per head)."""
+    angle = positions.float()[..., None] * inv_freq.float()  # in float32, as transformers computes them
     angle = torch.cat([angle, angle], dim=-1)
     return angle.cos(), angle.sin()
 
@@ -65,7 +66,8 @@ MEMO_ELEMENTS = 1 << 22  # positions x head_dim of the largest table remembered
 
 
 def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    """RoPE at `positions` (T,) applied to x (..., T, D)."""
+    """RoPE at `positions` applied to x (..., T, D): positions (T,), or (H, T) for x (H, T, D) whose heads hold
+    rows of other positions."""
     last = _last
     if not (last.positions is not None and last.positions.shape == positions.shape and last.inv_freq.shape == inv_freq.shape
             and last.positions.device == positions.device and torch.equal(last.positions, positions)

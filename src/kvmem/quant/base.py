@@ -83,6 +83,11 @@ class Scheme:
     def decode(self, keys: Encoded, values: Encoded, positions: Tensor, head: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    def encode_heads(self, keys: Tensor, values: Tensor, positions: Tensor) -> list[tuple[Encoded, Encoded]]:
+        """Every head's rows, keys and values (H, n, D) at positions (H, n), encoded: head by head here; a scheme
+        that can encode all heads in one pass overrides it (a decode step encodes one row per head per layer)."""
+        return [self.encode(k, v, p, h) for h, (k, v, p) in enumerate(zip(keys, values, positions))]
+
     def decode_heads(self, keys: list[Encoded | None], values: list[Encoded | None], positions: list[Tensor],
                      out_keys: Tensor, out_values: Tensor) -> None:
         """Every head's encoded rows decoded into `out_keys[h, :n_h]` / `out_values[h, :n_h]` (the layer's stacked
@@ -158,12 +163,19 @@ class QuantizedRows(Rows):
     def flush(self) -> None:
         """Encode every full block of residual rows older than the scheme's `residual` newest rows."""
         g = self.scheme.group
-        for h, (rk, rv) in enumerate(zip(self.rk, self.rv)):
-            n = max(rk.shape[0] - self.scheme.residual, 0) // g * g
+        counts = [max(rk.shape[0] - self.scheme.residual, 0) // g * g for rk in self.rk]
+        done = [q.rows if q is not None else 0 for q in self.qk]
+        if len(set(counts)) == 1 and counts[0]:  # every head encodes as many rows: all in one pass
+            n = counts[0]
+            encoded = self.scheme.encode_heads(torch.stack([rk[:n] for rk in self.rk]), torch.stack([rv[:n] for rv in self.rv]),
+                                               torch.stack([p[d:d + n] for p, d in zip(self.p, done)]))
+        else:
+            encoded = [self.scheme.encode(rk[:n], rv[:n], p[d:d + n], h) if n else None
+                       for h, (rk, rv, p, n, d) in enumerate(zip(self.rk, self.rv, self.p, counts, done))]
+        for h, (rk, rv, n, kv) in enumerate(zip(self.rk, self.rv, counts, encoded)):
             if not n:
                 continue
-            done = self.qk[h].rows if self.qk[h] is not None else 0
-            k, v = self.scheme.encode(rk[:n], rv[:n], self.p[h][done:done + n], h)
+            k, v = kv
             self.qk[h] = k if self.qk[h] is None else self.qk[h].cat(k)
             self.qv[h] = v if self.qv[h] is None else self.qv[h].cat(v)
             self.rk[h], self.rv[h] = rk[n:].clone(), rv[n:].clone()

@@ -221,12 +221,19 @@ class CoupledQuantization(Scheme):
 
     @staticmethod
     def decode_rows(q: Codes, book: Tensor) -> Tensor:
-        """The rows (n, groups * c), float32, that codes `q` stand for."""
-        codes = q.codes()  # (n, groups)
-        book = book.to(codes.device, torch.float32)
-        offsets = torch.arange(q.groups, device=codes.device) * book.shape[1]  # group g's centroids start at g * K
-        flat = book.reshape(-1, book.shape[-1]).index_select(0, (codes + offsets).reshape(-1))  # one flat gather
-        return flat.reshape(q.rows, -1)
+        """The rows (n, groups * c), float32, that codes `q` stand for (book: one head's (groups, 2^b, c))."""
+        return CoupledQuantization.decode_packed(q.packed[None], q.groups, book[None])[0]
+
+    @staticmethod
+    def decode_packed(packed: Tensor, groups: int, books: Tensor) -> Tensor:
+        """Rows (H, n, groups * c), float32, from the packed codes (H, n, B) of H heads with their codebooks
+        (H, groups, 2^b, c): one flat gather for all heads."""
+        codes = unpack(packed, CODE_BITS, groups).long()  # (H, n, groups)
+        books = books.to(codes.device, torch.float32)
+        heads, _, k, c = books.shape
+        offsets = torch.arange(heads * groups, device=codes.device).view(heads, 1, groups) * k  # (h, g)'s centroids
+        flat = books.reshape(-1, c).index_select(0, (codes + offsets).reshape(-1))
+        return flat.view(heads, packed.shape[1], groups * c)
 
     def encode(self, keys: Tensor, values: Tensor, positions: Tensor, head: int) -> tuple[Codes, Codes]:
         self._bound()
@@ -237,6 +244,29 @@ class CoupledQuantization(Scheme):
         self._bound()
         k = self._rope(self.decode_rows(keys, self.key_book[head]), positions)
         return k.to(keys.dtype), self.decode_rows(values, self.value_book[head]).to(values.dtype)
+
+    def encode_heads(self, keys: Tensor, values: Tensor, positions: Tensor) -> list[tuple[Codes, Codes]]:
+        """`encode` for all heads (H, n, D) at once: one nearest-centroid search over every (head, group)."""
+        self._bound()
+        coded = []
+        for x, books in ((self._unrope(keys, positions), self.key_book), (values, self.value_book)):
+            heads, n, _ = x.shape
+            groups = books.shape[1]
+            xg = x.float().reshape(heads, n, groups, -1).transpose(1, 2).reshape(heads * groups, n, -1)
+            codes = nearest(xg, books.flatten(0, 1).to(xg.device, torch.float32)).view(heads, groups, n).transpose(1, 2)
+            coded.append([Codes(p, CODE_BITS, groups, x.dtype) for p in pack(codes, CODE_BITS)])
+        return list(zip(*coded))
+
+    def decode_heads(self, keys: list[Codes | None], values: list[Codes | None], positions: list[Tensor],
+                     out_keys: Tensor, out_values: Tensor) -> None:
+        """All heads in one pass: one gather per K and V, one RoPE."""
+        self._bound()
+        rows = {k.rows if k is not None else 0 for k in keys}
+        if len(rows) != 1 or not (n := rows.pop()):
+            return super().decode_heads(keys, values, positions, out_keys, out_values)
+        k = self.decode_packed(torch.stack([q.packed for q in keys]), keys[0].groups, self.key_book)
+        out_keys[:, :n] = self._rope(k, torch.stack([p[:n] for p in positions]))
+        out_values[:, :n] = self.decode_packed(torch.stack([q.packed for q in values]), values[0].groups, self.value_book)
 
     def _unrope(self, keys: Tensor, positions: Tensor) -> Tensor:
         if not self.pre_rope:

@@ -60,11 +60,17 @@ class SparseCoded:
                             self.exact_rows, self.exact) if t is not None]
 
     def cat(self, later: SparseCoded) -> SparseCoded:
-        join = lambda a, b: None if a is None else torch.cat([a, b])  # noqa: E731
+        def join(a: Tensor | None, b: Tensor | None, shift: int = 0) -> Tensor | None:
+            # rows are encoded one at a time on arrival, most with no outlier or sink: nothing to copy then
+            # (encoded tensors are never changed in place, so the two objects may share them)
+            if a is None or not b.numel():
+                return a
+            return torch.cat([a, b + shift if shift else b])
+
         return SparseCoded(torch.cat([self.codes, later.codes]), join(self.low, later.low), join(self.span, later.span),
-                           torch.cat([self.out_rows, later.out_rows + self.n]), torch.cat([self.out_cols, later.out_cols]),
-                           torch.cat([self.out_vals, later.out_vals]), torch.cat([self.exact_rows, later.exact_rows + self.n]),
-                           torch.cat([self.exact, later.exact]), self.bits, self.n + later.n, self.dim)
+                           join(self.out_rows, later.out_rows, self.n), join(self.out_cols, later.out_cols),
+                           join(self.out_vals, later.out_vals), join(self.exact_rows, later.exact_rows, self.n),
+                           join(self.exact, later.exact), self.bits, self.n + later.n, self.dim)
 
     def drop(self, k: int) -> SparseCoded:
         out, ex = self.out_rows >= k, self.exact_rows >= k
@@ -170,6 +176,33 @@ class KVQuant(Scheme):
         enc_v = self._coded(values, v_norm, keep, self._t("value_levels"), low, span, sinks.clone(), values)  # its own index: exports stay exact
         return enc_k, enc_v
 
+    def encode_heads(self, keys: Tensor, values: Tensor, positions: Tensor) -> list[tuple[SparseCoded, SparseCoded]]:
+        """`encode` for all heads (H, n, D) at once: one normalization, bucketize and pack per K and V; the
+        outliers and sinks found once and split per head."""
+        heads, n, dim = keys.shape
+        sink = positions < self.sinks  # (H, n)
+        k = unrotate(keys, positions, self.inv_freq[self.layer]) if self.pre_rope else keys
+        lo, hi = self._t("key_low")[:, None].to(keys), self._t("key_high")[:, None].to(keys)  # (H, 1, D)
+        k_norm = ((k - lo) / ((hi - lo) / 2).clamp_min(1e-6) - 1).clamp(-1, 1)
+        v_norm, low, span, keep = self._normalize_values(values.float().reshape(-1, dim))
+        coded = []
+        for x, normalized, outlier, levels, original in (
+                (k, k_norm, (k < lo) | (k > hi), self._t("key_levels"), keys),
+                (values, v_norm.view(heads, n, dim), ~keep.view(heads, n, dim), self._t("value_levels"), values)):
+            packed = pack(torch.bucketize(normalized.float(), ((levels[1:] + levels[:-1]) / 2).to(x.device)), self.bits)
+            h, rows, cols = (outlier & ~sink[..., None]).nonzero(as_tuple=True)
+            per_head = torch.bincount(h, minlength=heads).tolist()
+            split = lambda t: t.split(per_head)  # noqa: E731
+            sh, sinks = sink.nonzero(as_tuple=True)
+            per_sink = torch.bincount(sh, minlength=heads).tolist()
+            coded.append(list(zip(packed, split(rows.to(torch.int32)), split(cols.to(torch.uint8)),
+                                  split(x[h, rows, cols].to(torch.float16)), sinks.to(torch.int32).split(per_sink),
+                                  original[sh, sinks].split(per_sink))))
+        low, span = low.view(heads, n), span.view(heads, n)
+        return [(SparseCoded(ck[0], None, None, *ck[1:], self.bits, n, dim),
+                 SparseCoded(cv[0], low[i], span[i], *cv[1:], self.bits, n, dim)) for i, (ck, cv) in
+                enumerate(zip(*coded))]
+
     def _coded(self, x, normalized, inlier, levels, low, span, sinks, original) -> SparseCoded:
         codes = torch.bucketize(normalized.float(), ((levels[1:] + levels[:-1]) / 2).to(normalized.device))
         not_sink = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
@@ -181,21 +214,48 @@ class KVQuant(Scheme):
 
     def decode(self, keys: SparseCoded, values: SparseCoded, positions: Tensor, head: int) -> tuple[Tensor, Tensor]:
         lo, hi = self._t("key_low")[head], self._t("key_high")[head]
-        k = self._levels(keys, self._t("key_levels")) * ((hi - lo) / 2) + (hi + lo) / 2
+        k = self._levels(keys.codes, keys.dim, self._t("key_levels")) * ((hi - lo) / 2) + (hi + lo) / 2
         k = self._sparse(k, keys).to(keys.exact.dtype)
         if self.pre_rope:
             k = rotate(k, positions, self.inv_freq[self.layer])
         k[keys.exact_rows.long()] = keys.exact
-        v = (self._levels(values, self._t("value_levels")) + 1) * (values.span.float()[:, None] / 2) + values.low.float()[:, None]
+        v = (self._levels(values.codes, values.dim, self._t("value_levels")) + 1) * (values.span.float()[:, None] / 2) + values.low.float()[:, None]
         v = self._sparse(v, values).to(values.exact.dtype)
         v[values.exact_rows.long()] = values.exact
         return k, v
 
-    def _levels(self, coded: SparseCoded, levels: Tensor) -> Tensor:
-        codes = unpack(coded.codes, self.bits, coded.dim)
+    def decode_heads(self, keys: list[SparseCoded | None], values: list[SparseCoded | None], positions: list[Tensor],
+                     out_keys: Tensor, out_values: Tensor) -> None:
+        """All heads in one pass (the same arithmetic as `decode`): one unpack and lookup, one scatter of the
+        outliers, one RoPE; only the exact sink rows go head by head."""
+        rows = {k.rows if k is not None else 0 for k in keys}
+        if len(rows) != 1 or not (n := rows.pop()):
+            return super().decode_heads(keys, values, positions, out_keys, out_values)
+        lo, hi = self._t("key_low")[:, None], self._t("key_high")[:, None]  # (H, 1, D)
+        k = self._levels(torch.stack([c.codes for c in keys]), keys[0].dim, self._t("key_levels"))
+        k = self._sparse(k.mul_((hi - lo) / 2).add_((hi + lo) / 2), keys)
+        if self.pre_rope:
+            k = rotate(k, torch.stack([p[:n] for p in positions]), self.inv_freq[self.layer])
+        out_keys[:, :n] = k
+        low, span = (torch.stack([getattr(c, f) for c in values]).float()[..., None] for f in ("low", "span"))
+        v = self._levels(torch.stack([c.codes for c in values]), values[0].dim, self._t("value_levels"))
+        out_values[:, :n] = self._sparse(v.add_(1).mul_(span / 2).add_(low), values)
+        for h, (ck, cv) in enumerate(zip(keys, values)):
+            out_keys[h, ck.exact_rows.long()] = ck.exact
+            out_values[h, cv.exact_rows.long()] = cv.exact
+
+    def _levels(self, packed: Tensor, dim: int, levels: Tensor) -> Tensor:
+        """The levels that packed codes (..., n, D * bits / 8) stand for, (..., n, D)."""
+        codes = unpack(packed, self.bits, dim)
         return levels.index_select(0, codes.reshape(-1).int()).view(codes.shape)  # a flat gather: faster than levels[codes]
 
     @staticmethod
-    def _sparse(x: Tensor, coded: SparseCoded) -> Tensor:
-        x[coded.out_rows.long(), coded.out_cols.long()] = coded.out_vals.float()
+    def _sparse(x: Tensor, coded: SparseCoded | list[SparseCoded]) -> Tensor:
+        """x (n, D) with the outliers written back (in place); x (H, n, D) for a list of heads."""
+        if not isinstance(coded, list):
+            x[coded.out_rows.long(), coded.out_cols.long()] = coded.out_vals.float()
+            return x
+        n, d = x.shape[-2:]
+        flat = torch.cat([(c.out_rows.long() + h * n) * d + c.out_cols.long() for h, c in enumerate(coded)])
+        x.view(-1).index_put_((flat,), torch.cat([c.out_vals for c in coded]).to(x.dtype))
         return x

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from kvmem.errors import KVMemError
 from kvmem.quant.base import Scheme
-from kvmem.quant.pack import Quantized, dequantize, quantize
+from kvmem.quant.pack import Quantized, dequantize, quantize, stack
 from kvmem.rope import rope_frequencies, rotate, unrotate
 from kvmem.spec import format_spec
 
@@ -151,6 +151,10 @@ class RotateKV(Scheme):
         view.inverse = view.order.argsort(-1)
         view.threshold = self.fitted[f"layer.{layer}.sink"]  # (heads,): value norms below it are sinks
         view.inv_freq = self.inv_freqs[layer] if self.pre_rope else None
+        # decoding as one matmul per head: stored channels back in rotated order, then the (symmetric) Hadamard,
+        # x_stored[:, inverse] @ H == x_stored @ H[order]; on CPU one (D, D) matmul beats log2(D) butterfly passes
+        h = hadamard(view.order.shape[-1])
+        view.key_decoder, view.value_decoder = h[view.order], h
         return view
 
     def _copy(self) -> RotateKV:
@@ -187,6 +191,21 @@ class RotateKV(Scheme):
         k[keys.index.long()] = keys.exact
         v[values.index.long()] = values.exact
         return k, v
+
+    def decode_heads(self, keys: list[WithSinks | None], values: list[WithSinks | None], positions: list[Tensor],
+                     out_keys: Tensor, out_values: Tensor) -> None:
+        """All heads in one pass: one dequantize, one batched matmul (un-order + inverse Hadamard) and one RoPE."""
+        self._bound()
+        rows = {k.rows if k is not None else 0 for k in keys}
+        if len(rows) != 1 or not (n := rows.pop()):
+            return super().decode_heads(keys, values, positions, out_keys, out_values)
+        for parts, decoder, out in ((keys, self.key_decoder, out_keys), (values, self.value_decoder, out_values)):
+            x = torch.matmul(dequantize(stack([p.codes for p in parts])).float(), decoder.to(out.device))
+            if parts is keys and self.pre_rope:
+                x = rotate(x, torch.stack([p[:n] for p in positions]), self.inv_freq.to(x.device))
+            out[:, :n] = x
+            for h, p in enumerate(parts):
+                out[h, p.index.long()] = p.exact
 
     def _quantize(self, x: Tensor, dtype: torch.dtype) -> Quantized:
         """Per-token groups of `group` channels; each group's range scaled by `clip` (values beyond it clamp)."""
