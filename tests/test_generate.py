@@ -108,6 +108,40 @@ def test_grouped_attention_equals_repeated_heads():
     torch.testing.assert_close(grouped_attention(q, k, v, mask, 0.3), expected)
 
 
+def test_long_sliding_window_forwards_attend_block_by_block_as_the_full_mask_does(tiny_gemma, monkeypatch):
+    """A long forward of a sliding-window layer attends each block of queries over its window only (not the
+    model's whole (Q, T) mask): the same logits as SDPA with that mask, in one forward or in chunks; a padded
+    mask is not the plain window mask and keeps SDPA."""
+    import kvmem.attention as attention
+
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", 4)  # tiny_gemma's window is 8: blocks of 4 queries
+    ids = torch.randint(0, 128, (1, 61), generator=torch.Generator().manual_seed(3))
+    taken = []
+    check = attention.standard_window_mask
+    monkeypatch.setattr(attention, "standard_window_mask", lambda *a: taken.append(check(*a)) or taken[-1])
+
+    def logits(pieces: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        cache = KVCache(tiny_gemma.config)
+        with torch.no_grad():
+            if mask is not None:
+                return tiny_gemma(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits
+            return torch.cat([tiny_gemma(input_ids=p, cache=cache, use_cache=True).logits for p in ids.chunk(pieces, 1)], 1)
+
+    windowed, chunked = logits(1), logits(3)
+    assert taken and all(taken)  # every sliding layer of every forward took the windowed path
+    taken.clear()
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", 10**6)  # never: SDPA with the model's mask
+    reference = logits(1)
+    assert not taken
+    torch.testing.assert_close(windowed, reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked, reference, atol=1e-5, rtol=0)
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", 4)
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0  # left padding: not the plain window mask
+    logits(1, padded)
+    assert taken and not any(taken)
+
+
 @pytest.mark.parametrize("aware", [False, True])
 def test_every_method_handles_a_tiny_context(smollm2, aware):
     """A 3-word document is shorter than every observation window: each method still compresses and answers."""

@@ -73,7 +73,12 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
             raise KVMemError("attention logit soft-capping is not supported with track_attention")
         return layer.observe(query, scaling), None
     if not own_mask and heads is None:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        window = kwargs.get("sliding_window")
+        if window and query.shape[0] == 1 and query.shape[2] >= 2 * WINDOW_BLOCK and kwargs.get("softcap") is None \
+                and standard_window_mask(attention_mask, query.shape[2], key.shape[2], window):
+            out = (windowed_attention(query, key, value, window, scaling), None)
+        else:
+            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     else:
         if kwargs.get("softcap") is not None:
             raise KVMemError("attention logit soft-capping is not supported on compressed kvmem layers")
@@ -99,6 +104,38 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
         mask = mask[:, :, None].expand(b, hkv, groups, q_len, mask.shape[-1]).reshape(b, hkv, groups * q_len, -1)
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return o.reshape(b, hq, q_len, -1).transpose(1, 2).contiguous()
+
+
+WINDOW_BLOCK = 512  # queries per block of a long sliding-window forward
+
+
+def standard_window_mask(mask: Tensor | None, q_len: int, t: int, window: int) -> bool:
+    """Whether the model's mask (1, 1, Q, T) is the plain causal sliding-window mask of the last Q of T contiguous
+    positions (no padding): its first and last query rows are checked, O(T), never the whole (Q, T)."""
+    if mask is None or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[-2:] != (q_len, t):
+        return False
+    rows = mask[0, :, [0, q_len - 1]]
+    allowed = rows if rows.dtype == torch.bool else rows == 0
+    positions = torch.arange(t, device=mask.device)
+    want = visible(positions[None], positions[[t - q_len, t - 1]], window)
+    return bool((allowed == want).all())
+
+
+def windowed_attention(query: Tensor, key: Tensor, value: Tensor, window: int, scaling: float) -> Tensor:
+    """Causal sliding-window attention of the last Q of T contiguous positions (batch 1), block by block: each
+    block of queries reads only the keys inside its window. SDPA with the model's (Q, T) mask computes every
+    pair and masks most of them, so this is ~T / (window + block) times less work at long prefills. Returns
+    (1, Q, Hq, D)."""
+    q_len, t = query.shape[2], key.shape[2]
+    offset = t - q_len  # query i stands at position offset + i
+    out = query.new_empty(1, q_len, query.shape[1], value.shape[-1])
+    for s in range(0, q_len, WINDOW_BLOCK):
+        e = min(q_len, s + WINDOW_BLOCK)
+        k0, k1 = max(0, offset + s - window + 1), offset + e
+        mask = visible(torch.arange(k0, k1, device=key.device)[None], torch.arange(offset + s, offset + e,
+                                                                                   device=key.device), window)
+        out[:, s:e] = grouped_attention(query[:, :, s:e], key[:, :, k0:k1], value[:, :, k0:k1], mask[None], scaling)
+    return out
 
 
 AttentionInterface.register(ATTENTION_NAME, kvmem_attention)

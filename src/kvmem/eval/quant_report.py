@@ -233,7 +233,7 @@ def target_lines(ppl: list[dict], decode: list[dict], tasks: list[dict]) -> list
     hits = [r for r in tasks if _meets(r)]
     lines.append(f"* **≥ {TEN_X:g}x fewer bytes at ≥ {TASK_SHARE:.0%} of the full-cache task score** (bytes against the "
                  "float32 cache held here; a float16 model's full cache is half as large, so about half the factor): "
-                 + (", ".join(f"{r['model']} {r['cell']} ({r['factor']:.1f}x, {_fmt(r['score'])} vs {r['full_score']:.2f} on the same "
+                 + (", ".join(f"{r['model']} @ {r['length']} {r['cell']} ({r['factor']:.1f}x, {_fmt(r['score'])} vs {r['full_score']:.2f} on the same "
                               f"samples, n={r['n']}; by the point estimate)" for r in hits) if hits else "not met on the cells run so far"))
     slower = [r for r in decode if r["to_peer"] and r["to_peer"].lo > 1.0]
     compared = [r for r in decode if r["to_peer"]]
@@ -279,7 +279,8 @@ def update_readme(results: Path = Path("results/quant"), readme: Path = Path("RE
     report = (results / "report.md").read_text()
     targets = report[report.index("## Targets") + len("## Targets"):report.index("## Perplexity")].strip()
     body = (f"{README_BLOCK[0]}\n**Quantization** (issue 9; `make bench-quant`): the targets as measured (Δppl with 95% "
-            "paired block-bootstrap CIs on held-out 2048-token texts; tasks on SmolLM2 2k's usable tasks, n as shown). "
+            "paired block-bootstrap CIs on held-out 2048-token texts; tasks on each model's usable tasks at the length "
+            "shown, n as shown). "
             "Full tables and the eviction x quantization frontier: [results/quant/report.md](results/quant/report.md)."
             f"\n\n{targets}\n{README_BLOCK[1]}")
     replace_block(readme, README_BLOCK, body)

@@ -39,6 +39,12 @@ class Encoded(Protocol):
     def drop(self, n: int) -> Encoded: ...  # rows n: (n a multiple of the scheme's group)
 
 
+def encoded_rows(heads: list[Encoded | None]) -> int:
+    """How many encoded rows every head holds when they all hold as many (a decode in one pass), else 0."""
+    rows = {q.rows if q is not None else 0 for q in heads}
+    return rows.pop() if len(rows) == 1 else 0
+
+
 class Scheme:
     """How one head's blocks of `group` tokens are encoded; subclasses implement `encode` and `decode`.
 

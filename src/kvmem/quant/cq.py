@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
-from kvmem.quant.base import Scheme
+from kvmem.quant.base import Scheme, encoded_rows
 from kvmem.quant.pack import pack, unpack
 from kvmem.spec import format_spec
 
@@ -261,8 +261,7 @@ class CoupledQuantization(Scheme):
                      out_keys: Tensor, out_values: Tensor) -> None:
         """All heads in one pass: one gather per K and V, one RoPE."""
         self._bound()
-        rows = {k.rows if k is not None else 0 for k in keys}
-        if len(rows) != 1 or not (n := rows.pop()):
+        if not (n := encoded_rows(keys)):  # heads of different lengths: one by one
             return super().decode_heads(keys, values, positions, out_keys, out_values)
         k = self.decode_packed(torch.stack([q.packed for q in keys]), keys[0].groups, self.key_book)
         out_keys[:, :n] = self._rope(k, torch.stack([p[:n] for p in positions]))

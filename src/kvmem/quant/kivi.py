@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
-from kvmem.quant.base import Scheme
+from kvmem.quant.base import Scheme, encoded_rows
 from kvmem.quant.pack import Quantized, dequantize, quantize, stack
 from kvmem.spec import format_spec
 
@@ -40,8 +40,7 @@ class KIVI(Scheme):
 
     def decode_heads(self, keys: list[Quantized | None], values: list[Quantized | None], positions: list[Tensor],
                      out_keys: Tensor, out_values: Tensor) -> None:
-        rows = {k.rows if k is not None else 0 for k in keys}
-        if len(rows) != 1 or not (n := rows.pop()):
+        if not (n := encoded_rows(keys)):  # heads of different lengths: one by one
             return super().decode_heads(keys, values, positions, out_keys, out_values)
         for parts, out in ((keys, out_keys), (values, out_values)):  # all heads at once: one (H, n, D) tensor
             dequantize(stack(parts), out[:, :n])

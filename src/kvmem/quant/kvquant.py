@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
-from kvmem.quant.base import Scheme
+from kvmem.quant.base import Scheme, encoded_rows
 from kvmem.quant.pack import pack, unpack
 from kvmem.rope import rope_frequencies, rotate, unrotate
 from kvmem.spec import format_spec
@@ -228,8 +228,7 @@ class KVQuant(Scheme):
                      out_keys: Tensor, out_values: Tensor) -> None:
         """All heads in one pass (the same arithmetic as `decode`): one unpack and lookup, one scatter of the
         outliers, one RoPE; only the exact sink rows go head by head."""
-        rows = {k.rows if k is not None else 0 for k in keys}
-        if len(rows) != 1 or not (n := rows.pop()):
+        if not (n := encoded_rows(keys)):  # heads of different lengths: one by one
             return super().decode_heads(keys, values, positions, out_keys, out_values)
         lo, hi = self._t("key_low")[:, None], self._t("key_high")[:, None]  # (H, 1, D)
         k = self._levels(torch.stack([c.codes for c in keys]), keys[0].dim, self._t("key_levels"))

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
-from kvmem.quant.base import Scheme
+from kvmem.quant.base import Scheme, encoded_rows
 from kvmem.quant.pack import Quantized, dequantize, quantize, stack
 from kvmem.rope import rope_frequencies, rotate, unrotate
 from kvmem.spec import format_spec
@@ -196,8 +196,7 @@ class RotateKV(Scheme):
                      out_keys: Tensor, out_values: Tensor) -> None:
         """All heads in one pass: one dequantize, one batched matmul (un-order + inverse Hadamard) and one RoPE."""
         self._bound()
-        rows = {k.rows if k is not None else 0 for k in keys}
-        if len(rows) != 1 or not (n := rows.pop()):
+        if not (n := encoded_rows(keys)):  # heads of different lengths: one by one
             return super().decode_heads(keys, values, positions, out_keys, out_values)
         for parts, decoder, out in ((keys, self.key_decoder, out_keys), (values, self.value_decoder, out_values)):
             x = torch.matmul(dequantize(stack([p.codes for p in parts])).float(), decoder.to(out.device))
