@@ -89,11 +89,16 @@ def test_report_from_records(tmp_path):
                                                       ("kivi-2", "full", 1.0, "kivi-2", float(i % 2), 300)):
             recs.append(dict(part="tasks", model="m", length=64, task="t", sample=i, cell=cell, method=method,
                              keep_ratio=ratio, scheme=scheme, score=score, output="", kv_bytes=b, kv_bytes_full=1000))
+        for cell, method, ratio, scheme, score, b in ((FULL, "full", 1.0, FULL, 1.0, 1000),  # a model with no 10x hit
+                                                      ("keydiff@0.25 + kivi-2", "keydiff", 0.25, "kivi-2", 0.0, 90),
+                                                      ("kivi-2", "full", 1.0, "kivi-2", 1.0, 300)):
+            recs.append(dict(part="tasks", model="m2", length=64, task="t", sample=i, cell=cell, method=method,
+                             keep_ratio=ratio, scheme=scheme, score=score, output="", kv_bytes=b, kv_bytes_full=1000))
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     summary = write_report(tmp_path)
     row = next(r for r in summary["ppl"] if r["scheme"] == "kivi-2")
     assert row["delta_pct"][0] == pytest.approx(100 * (math.exp(0.02) - 1)) and row["factor"] == 10.0
-    tasks = {r["cell"]: r for r in task_rows(recs)}
+    tasks = {r["cell"]: r for r in task_rows(recs) if r["model"] == "m"}
     assert tasks["kivi-2"]["vs_full"][2] < 0  # 0.5 below the full cache, significant on 12 samples
     report = (tmp_path / "report.md").read_text()
     assert "keydiff@0.25 + kivi-2 ★" in report and "| kivi-2 | 12 |" in report and "kivi-2 ★" not in report.replace(
@@ -106,3 +111,4 @@ def test_report_from_records(tmp_path):
     assert "stale" not in text and "## Targets" not in text
     assert text.startswith("intro\n<!-- quant: regenerated") and text.endswith("<!-- /quant -->\nafter\n")
     assert "keydiff@0.25 + kivi-2 (11.1x" in text  # the target line, regenerated from the records
+    assert "m2 @ 64: not met (at ≥ 95% the most is 3.3x, kivi-2)" in text  # per model, what it reached instead
