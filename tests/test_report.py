@@ -134,3 +134,23 @@ def test_no_significance_from_a_handful_of_samples():
     a[("t", 99)], b[("t", 99)] = {"score": 1.0}, {"score": 0.0}
     assert paired(a, b).significant
 
+
+
+def test_a_run_stopped_by_sigterm_still_records_its_wall_clock(tmp_path):
+    """`make bench` runs are stopped to free the machine; the report's Cost section must still count them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    runs = tmp_path / "runs.jsonl"
+    code = ("import sys, time; from pathlib import Path; from kvmem.eval.longctx import run_clock\n"
+            f"with run_clock(Path({str(runs)!r}), models=['m']):\n"
+            "    print('in', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "in"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    (run,) = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert run["stopped"] is True and run["models"] == ["m"] and 0.1 < run["end"] - run["start"] < 30

@@ -28,10 +28,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -247,6 +251,37 @@ def _done_methods(path: Path) -> dict[tuple, set[str]]:
     return done
 
 
+class _SigtermExit:
+    """SIGTERM raises SystemExit (so `finally` blocks run, as on Ctrl-C) until `restore`."""
+
+    def __init__(self):
+        self.stopped, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self.previous = signal.signal(signal.SIGTERM, self._exit)
+
+    def _exit(self, signum, frame) -> None:
+        self.stopped = True
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+@contextmanager
+def run_clock(path: Path, **fields) -> Iterator[None]:
+    """Append when the block ran to `path` (runs.jsonl: the report's wall clock), also when it is stopped by
+    SIGTERM or Ctrl-C, so that a benchmark stopped to free the machine still counts its time."""
+    started, stop = time.time(), _SigtermExit()
+    try:
+        yield
+    finally:
+        with path.open("a") as f:
+            run = dict(start=started, end=time.time(), threads=torch.get_num_threads(), commit=git_commit())
+            f.write(json.dumps({**run, **fields, "stopped": stop.stopped}) + "\n")
+        stop.restore()
+
+
 def run(cfg: EvalConfig, progress: bool = True) -> Path:
     """Run what is missing from `cfg.out/records.jsonl`, then rebuild results.json and the report."""
     cfg.validate()
@@ -254,28 +289,25 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
     records_path = cfg.out / "records.jsonl"
     done = _done_methods(records_path)
     methods = list(dict.fromkeys(["full", *cfg.methods]))
-    started = time.time()
-    for model_name in cfg.models:
-        todo = {(L, t, i): missing for L in cfg.lengths for t in cfg.tasks for i in range(cfg.samples)
-                if (missing := [m for m in methods if m not in done.get((model_name, L, t, i), set())])}
-        if not todo:
-            continue
-        lm = load_model(model_name)
-        for L in cfg.lengths:
-            if L > lm.max_context:
-                raise KVMemError(f"context length {L} is longer than {model_name} allows ({lm.max_context})")
-        bar = tqdm(total=len(todo), desc=model_name, disable=not progress, unit="sample")
-        for L in cfg.lengths:
-            for task in cfg.tasks:
-                pending = {i: missing for (L2, t, i), missing in todo.items() if L2 == L and t == task}
-                if not pending:
-                    continue
-                bar.set_postfix_str(f"{task} @ {L}")
-                _run_task(lm, model_name, task, L, pending, cfg, records_path)
-                bar.update(len(pending))
-        bar.close()
-    with (cfg.out / "runs.jsonl").open("a") as f:  # the report's wall clock: when this process ran
-        f.write(json.dumps(dict(start=started, end=time.time(), models=cfg.models, lengths=cfg.lengths,
-                                threads=torch.get_num_threads(), commit=git_commit())) + "\n")
+    with run_clock(cfg.out / "runs.jsonl", models=cfg.models, lengths=cfg.lengths):
+        for model_name in cfg.models:
+            todo = {(L, t, i): missing for L in cfg.lengths for t in cfg.tasks for i in range(cfg.samples)
+                    if (missing := [m for m in methods if m not in done.get((model_name, L, t, i), set())])}
+            if not todo:
+                continue
+            lm = load_model(model_name)
+            for L in cfg.lengths:
+                if L > lm.max_context:
+                    raise KVMemError(f"context length {L} is longer than {model_name} allows ({lm.max_context})")
+            bar = tqdm(total=len(todo), desc=model_name, disable=not progress, unit="sample")
+            for L in cfg.lengths:
+                for task in cfg.tasks:
+                    pending = {i: missing for (L2, t, i), missing in todo.items() if L2 == L and t == task}
+                    if not pending:
+                        continue
+                    bar.set_postfix_str(f"{task} @ {L}")
+                    _run_task(lm, model_name, task, L, pending, cfg, records_path)
+                    bar.update(len(pending))
+            bar.close()
     write_report(cfg.out)
     return cfg.out

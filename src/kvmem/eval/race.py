@@ -19,10 +19,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from kvmem.errors import KVMemError
+from kvmem.eval.longctx import run_clock
 from kvmem.eval.tasks import make_samples, score_output
 
 RUNNER = Path(__file__).with_name("kvpress_runner.py")
@@ -93,15 +93,19 @@ def run_kvpress(tasks: Path, out: Path, venv: Path, threads: int = 1, extra: lis
         raise KVMemError(f"no kvpress virtualenv at {venv}: run `make race-setup` first")
     models = sorted({json.loads(line)["model"] for line in tasks.read_text().splitlines() if line.strip()})
     procs = []
-    started = time.time()
-    for model in models:
-        cmd = [str(python), str(RUNNER), "--tasks", str(tasks), "--out", str(out / f"raw-{model}.jsonl"),
-               "--models", model, "--threads", str(threads), *(extra or [])]
-        log = open(out / f"runner-{model}.log", "a")
-        procs.append((model, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})))
-    failed = [m for m, p in procs if p.wait() != 0]
-    with (out / "runs.jsonl").open("a") as f:
-        f.write(json.dumps(dict(start=started, end=time.time(), models=models, threads=threads)) + "\n")
+    with run_clock(out / "runs.jsonl", models=models, threads=threads):
+        try:
+            for model in models:
+                cmd = [str(python), str(RUNNER), "--tasks", str(tasks), "--out", str(out / f"raw-{model}.jsonl"),
+                       "--models", model, "--threads", str(threads), *(extra or [])]
+                log = open(out / f"runner-{model}.log", "a")
+                procs.append((model, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})))
+            failed = [m for m, p in procs if p.wait() != 0]
+        finally:  # stopped: the runners stop too (each has appended its finished samples)
+            for _, p in procs:
+                if p.poll() is None:
+                    p.terminate()
     if failed:
         raise KVMemError(f"the kvpress runner failed for {', '.join(failed)}: see {out}/runner-*.log")
 
