@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from kvmem.eval.report import MEAN, Scores, full_cache, summary_rows, update_readme, usable_tasks, write_report
 
 
@@ -154,3 +156,20 @@ def test_a_run_stopped_by_sigterm_still_records_its_wall_clock(tmp_path):
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     (run,) = [json.loads(line) for line in runs.read_text().splitlines()]
     assert run["stopped"] is True and run["models"] == ["m"] and 0.1 < run["end"] - run["start"] < 30
+
+
+def test_race_scores_a_raw_answer_from_its_own_expected_answers(tmp_path):
+    """The exported prompts are gitignored; a raw kvpress answer that carries its answers is scored without them,
+    and one that carries none and has no export is refused, never scored against nothing."""
+    from kvmem.errors import KVMemError
+    from kvmem.eval.race import score_raw
+
+    raw = dict(library="kvpress", model="m", length=1024, task="t", sample=0, setting="agnostic", method="snapkv",
+               keep_ratio=0.5, answers=["1982"], output=" 1982", error=None)
+    (tmp_path / "raw-m.jsonl").write_text(json.dumps(raw) + "\n" + json.dumps({**raw, "sample": 1, "output": " 1980"}) + "\n")
+    assert score_raw(tmp_path) == 2
+    assert [json.loads(line)["score"] for line in (tmp_path / "records.jsonl").read_text().splitlines()] == [1.0, 0.0]
+    del raw["answers"]
+    (tmp_path / "raw-m.jsonl").write_text(json.dumps({**raw, "sample": 2}) + "\n")
+    with pytest.raises(KVMemError, match="no exported prompt"):
+        score_raw(tmp_path)

@@ -422,6 +422,7 @@ def records(tok, s: dict, jobs: list[Job]) -> list[dict]:
     return [{
         "library": "kvpress", "model": s["model"], "length": s["length"], "task": s["task"], "sample": s["sample"],
         "setting": s.get("setting", "agnostic"), "method": job.method, "keep_ratio": job.keep_ratio,
+        "answers": s["answers"],  # scored from the record itself: the exported prompts are not kept
         "output": None if job.error else tok.decode(job.tokens), "tokens": job.tokens,
         "kv_bytes": None if job.error else tensor_bytes(t for kv in job.kv for t in kv), "kv_bytes_full": tensor_bytes(full),
         "kv_storage_bytes": None if job.error else held_bytes(t for kv in job.kv for t in kv),

@@ -126,6 +126,8 @@ def score_raw(out: Path) -> int:
                 errors.setdefault(r["model"], {})[f"{r['method']} @ keep {r['keep_ratio']:g}"] = r["error"]
                 continue
             key = (r["model"], r["length"], r["task"], r["sample"])
+            if "answers" in r:  # runners since 2026-12-02 record the expected answers with each answer
+                answers.setdefault(key, r["answers"])
             if key not in answers:
                 raise KVMemError(f"{raw.name} has an answer for {key} but no exported prompt in {out}/tasks*.jsonl: "
                                  "export it again (`kvmem race` with that model and length)")
