@@ -137,7 +137,6 @@ def test_no_significance_from_a_handful_of_samples():
     assert paired(a, b).significant
 
 
-
 def test_a_run_stopped_by_sigterm_still_records_its_wall_clock(tmp_path):
     """`make bench` runs are stopped to free the machine; the report's Cost section must still count them."""
     import signal
@@ -169,6 +168,10 @@ def test_race_scores_a_raw_answer_from_its_own_expected_answers(tmp_path):
     (tmp_path / "raw-m.jsonl").write_text(json.dumps(raw) + "\n" + json.dumps({**raw, "sample": 1, "output": " 1980"}) + "\n")
     assert score_raw(tmp_path) == 2
     assert [json.loads(line)["score"] for line in (tmp_path / "records.jsonl").read_text().splitlines()] == [1.0, 0.0]
+    (tmp_path / "tasks-m.jsonl").write_text(json.dumps(dict(model="m", length=1024, task="t", sample=0, answers=["7"])) + "\n")
+    with pytest.raises(KVMemError, match="disagree"):  # an export and a record that differ: neither is trusted
+        score_raw(tmp_path)
+    (tmp_path / "tasks-m.jsonl").unlink()
     del raw["answers"]
     (tmp_path / "raw-m.jsonl").write_text(json.dumps({**raw, "sample": 2}) + "\n")
     with pytest.raises(KVMemError, match="no exported prompt"):

@@ -127,7 +127,9 @@ def score_raw(out: Path) -> int:
                 continue
             key = (r["model"], r["length"], r["task"], r["sample"])
             if "answers" in r:  # runners since 2026-12-02 record the expected answers with each answer
-                answers.setdefault(key, r["answers"])
+                if answers.setdefault(key, r["answers"]) != r["answers"]:
+                    raise KVMemError(f"{raw.name} and {out}/tasks*.jsonl disagree on the answers of {key}: the "
+                                     "export or the race records are stale; export again and rerun that sample")
             if key not in answers:
                 raise KVMemError(f"{raw.name} has an answer for {key} but no exported prompt in {out}/tasks*.jsonl: "
                                  "export it again (`kvmem race` with that model and length)")
