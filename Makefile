@@ -25,7 +25,7 @@ redis:
 		|| (echo "kvmem: cannot install redis-server (run as root on Debian/Ubuntu, or install it yourself)"; exit 1)
 
 test: setup redis
-	$(PY) -m pytest -q --durations=15  # the slowest tests, to keep the suite under 15 min
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=15  # two workers (one per core; a module stays on one, so its fixtures load once); the slowest tests, to keep the suite under 15 min
 
 # The committed benchmarks (hours on 2 CPU cores; every run resumes from its records): the long-context
 # suite as two 1-thread processes side by side, then speed and memory, then retrieval; the README's

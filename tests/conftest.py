@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 import kvmem.cache  # noqa: F401  (registers kvmem's attention)
 from kvmem.models import LoadedModel, load_model
 
-torch.set_num_threads(2)
+# `make test` runs the suite as two pytest-xdist workers, one per core, each on one torch thread: on a 2-core
+# machine a second thread per process only thrashes, and most forwards here are too small to use it.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

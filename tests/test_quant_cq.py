@@ -53,14 +53,6 @@ class Fits:
         return self.run(lambda: get_scheme(spec, lm))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """This module runs on one thread (restored after): on a shared 2-core machine the fits' forward, backward and
-    k-means cost 3-6x the CPU time on two threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

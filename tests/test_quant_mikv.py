@@ -24,14 +24,6 @@ from kvmem.rows import ExportedRows
 TINY = "mikv:group=8"  # head_dim 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """This module's forwards are small (short contexts); on a shared 2-core machine a second thread costs far
-    more than it gains (measured 3-10x slower under load). The suite's setting is restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def random_ids(n: int, seed: int) -> torch.Tensor:

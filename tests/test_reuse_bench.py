@@ -13,7 +13,6 @@ from kvmem.errors import KVMemError
 from kvmem.eval.reuse import ReuseConfig, run_length
 from kvmem.eval.reuse_report import update_readme, write_report
 
-torch.set_num_threads(2)
 
 
 def test_a_short_run_records_every_tier_and_codec_and_reports_them(smollm2, tmp_path, redis_server):

@@ -16,7 +16,6 @@ from kvmem.models import LoadedModel
 from kvmem.reuse.blend import assemble_and_answer, precompute
 from kvmem.rope import move, rope_frequencies
 
-torch.set_num_threads(1)
 
 
 def _lm(model, name: str = "tiny", max_context: int = 512) -> LoadedModel:

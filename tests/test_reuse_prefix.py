@@ -18,7 +18,6 @@ from kvmem.prompts import build_prompt
 from kvmem.reuse import prefill
 from kvmem.store import ChunkStore
 
-torch.set_num_threads(2)
 DOC = " ".join(load_abstracts()[:5])
 FACT = " The vault code of the Orion lab is 4471."
 

@@ -18,7 +18,6 @@ from kvmem.reuse import prefill
 from kvmem.reuse.semantic import IndexWarning, SemanticIndex, prefill_semantic, prompt_key
 from kvmem.store import ChunkStore, StoreWarning
 
-torch.set_num_threads(1)
 CHUNK = 256
 
 

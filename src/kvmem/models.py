@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from filelock import FileLock
 
 from kvmem.errors import KVMemError
 
@@ -143,13 +144,17 @@ def _convert_gguf(name: str, gguf: Path, out: Path) -> None:
 def _converted_folder(name: str) -> Path:
     gguf = REGISTRY[name].gguf()
     out = cache_dir() / "models" / name
-    meta_file = out / "kvmem.json"
-    fresh = False
-    if meta_file.exists():
-        meta = json.loads(meta_file.read_text())
-        fresh = meta.get("conversion_version") == CONVERSION_VERSION and meta.get("source_size") == gguf.stat().st_size
-    if not fresh:
-        _convert_gguf(name, gguf, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes side by side (two test workers, two benchmark runs) convert once: the second waits, then finds
+    # the folder fresh. Without the lock one could delete the folder while the other loads from it.
+    with FileLock(out.with_name(name + ".lock")):
+        meta_file = out / "kvmem.json"
+        fresh = False
+        if meta_file.exists():
+            meta = json.loads(meta_file.read_text())
+            fresh = meta.get("conversion_version") == CONVERSION_VERSION and meta.get("source_size") == gguf.stat().st_size
+        if not fresh:
+            _convert_gguf(name, gguf, out)
     return out
 
 
