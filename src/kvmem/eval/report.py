@@ -132,7 +132,8 @@ def summary_rows(scores: Scores, usable: dict[tuple, list[str]], library: str = 
                     # with its n and compared paired, but cannot be the column's best
                     every = set(scores.samples(model, length, setting, "full", 1.0, chosen))
                     complete = {m for m, c in cells.items() if set(c) >= every}
-                    best = max(complete or cells, key=lambda m: ivs[m][0].estimate)
+                    # ties go to the method listed first (a set's order changes with the hash seed)
+                    best = max([m for m in cells if m in complete] or list(cells), key=lambda m: ivs[m][0].estimate)
                     for m, cell in cells.items():
                         iv, n = ivs[m]
                         below = paired(cells[best], cell) if m != best else None
