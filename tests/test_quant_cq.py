@@ -53,8 +53,6 @@ class Fits:
         return self.run(lambda: get_scheme(spec, lm))
 
 
-
-
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
     out = Fits(tmp_path_factory.mktemp("kvmem-cq"))

@@ -24,8 +24,6 @@ from kvmem.rows import ExportedRows
 TINY = "mikv:group=8"  # head_dim 16
 
 
-
-
 def random_ids(n: int, seed: int) -> torch.Tensor:
     """Random tokens, never 0 (the tiny Gemma's pad token, which `generate` would mask out)."""
     return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
