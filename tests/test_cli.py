@@ -31,6 +31,8 @@ def test_methods_lists_compression_and_embedding_methods():
         (["generate", "--prompt", "hi", "--keep-ratio", "0"], "keep ratio must be in (0, 1]"),
         (["generate", "--prompt", "hi", "--keep-ratio", "1.5"], "keep ratio must be in (0, 1]"),
         (["generate", "--prompt", "hi", "--method", "full", "--keep-ratio", "0.5"], "'full' keeps every token"),
+        (["serve", "--keep-ratio", "2"], "keep ratio must be in (0, 1]"),
+        (["serve", "--method", "kvzip:chunk=0"], "kvzip needs chunk >= 1"),
         (["generate", "--prompt", "hi", "--context-file", "/no/such/file.txt"], "No such file"),
         (["generate", "--prompt", "hi", "--model", "gpt-17"], "unknown model 'gpt-17'"),
         (["generate", "--prompt", "hi", "--quant", "kivi-5"], "unknown quantization scheme 'kivi-5'"),

@@ -61,6 +61,20 @@ def _csv(value: str, kind=str) -> list:
         raise KVMemError(f"cannot read {value!r} as a comma-separated list of {kind.__name__}") from None
 
 
+def _check_cache_options(method: str, keep_ratio: float, quant: str | None) -> None:
+    """The compression method, keep ratio and quantization scheme, checked before a model loads."""
+    from kvmem.compress import get_method
+    from kvmem.compress.base import check_keep_ratio
+    from kvmem.quant import get_scheme
+
+    m = get_method(method)
+    if quant:
+        get_scheme(quant)
+    check_keep_ratio(keep_ratio, 1)
+    if m.name == "full" and keep_ratio < 1.0:
+        raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
+
+
 @app.command()
 @clean_errors
 def demo(
@@ -115,18 +129,10 @@ def generate(
 ) -> None:
     """Read a context, compress its KV cache, answer the prompt; prints the answer and the memory held. With
     --store, computed KV is kept and a later run on the same context reuses it (and says how much)."""
-    from kvmem.compress import get_method
     from kvmem.generate import answer
     from kvmem.models import load_model
-    from kvmem.quant import get_scheme
 
-    m = get_method(method)  # fail on a bad name before loading anything
-    if quant:
-        get_scheme(quant)
-    if not 0.0 < keep_ratio <= 1.0:
-        raise KVMemError(f"keep ratio must be in (0, 1]; got {keep_ratio}")
-    if m.name == "full" and keep_ratio < 1.0:
-        raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
+    _check_cache_options(method, keep_ratio, quant)  # fail on a bad option before loading anything
     chunks = None
     if store:
         from kvmem.store import ChunkStore
@@ -382,21 +388,13 @@ def serve(
     import torch
     import uvicorn
 
-    from kvmem.compress import get_method
     from kvmem.embed import parse_method
     from kvmem.models import load_model
-    from kvmem.quant import get_scheme
     from kvmem.serve.app import create_app
     from kvmem.serve.engine import Options
 
-    m = get_method(method)
-    if quant:
-        get_scheme(quant)
+    _check_cache_options(method, keep_ratio, quant)
     parse_method(embed_method)
-    if not 0.0 < keep_ratio <= 1.0:
-        raise KVMemError(f"keep ratio must be in (0, 1]; got {keep_ratio}")
-    if m.name == "full" and keep_ratio < 1.0:
-        raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
     chunks = None
     if store:
         from kvmem.store import ChunkStore
