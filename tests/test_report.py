@@ -176,3 +176,20 @@ def test_race_scores_a_raw_answer_from_its_own_expected_answers(tmp_path):
     (tmp_path / "raw-m.jsonl").write_text(json.dumps({**raw, "sample": 2}) + "\n")
     with pytest.raises(KVMemError, match="no exported prompt"):
         score_raw(tmp_path)
+
+
+def test_cost_counts_the_headline_tasks_against_the_wall_clock_goal():
+    from kvmem.eval.report import WALL_GOAL_H, cost_lines
+    rows = records(METHODS, n=10)
+    for r in rows:
+        r["prefill_s"] = WALL_GOAL_H * 3600 / 10  # 10 headline samples: half the goal on 2 cores
+    heavy = [dict(r, method="kvzip", compress_s=1000.0) for r in rows if r["method"] == "good"]  # +5.6 h on 2 cores
+    usable = {("m", 1024): ["easy"]}
+    lines = cost_lines(rows + heavy, [], "suite", usable, lambda m: m == "kvzip")
+    assert "20 samples" in lines[0]  # the flagged task counts in the total, not in the verdicts
+    every, without = lines[1].split("; without")
+    assert "every method" in every and "(not met)" in every
+    assert "(kvzip)" in without and "(met)" in without
+    spend = lines[2].split("per method")[1]
+    assert spend.index("kvzip") < spend.index("good") < spend.index("full")  # most expensive first
+    assert len(cost_lines(rows, [], "suite", {("m", 1024): []})) == 1  # no headline task: no verdict
