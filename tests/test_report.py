@@ -193,3 +193,22 @@ def test_cost_counts_the_headline_tasks_against_the_wall_clock_goal():
     spend = lines[2].split("per method")[1]
     assert spend.index("kvzip") < spend.index("good") < spend.index("full")  # most expensive first
     assert len(cost_lines(rows, [], "suite", {("m", 1024): []})) == 1  # no headline task: no verdict
+
+
+def test_spent_counts_each_prefill_and_a_shared_press_once():
+    from kvmem.eval.report import spent
+    row = dict(model="m", length=1024, task="t", sample=0, answer_s=1.0)
+    kvmem = [dict(row, setting=s, method="kvzip", keep_ratio=k, prefill_s=10.0, compress_s=c, batch=2)
+             for s in ("agnostic", "aware") for k, c in ((0.5, 30.0), (0.25, 0.0))]  # one prefill, settings share it
+    assert spent(kvmem) == (10.0, {"kvzip": 60.0 + 4 * 0.5})
+    kvpress = [dict(row, library="kvpress", setting=s, method=m, keep_ratio=k, prefill_s=p, press_s=x)
+               for s, p in (("agnostic", 10.0), ("aware", 12.0))
+               for m, x in (("kvzip", 40.0), ("observed-attention", 1.0)) for k in (0.5, 0.25)]
+    for r in kvpress:
+        if r["method"] == "observed-attention":
+            r["prefill_s"] += 100.0  # its own eager prefill
+    prefill, per_method = spent(kvpress)
+    assert prefill == 10 + 12 + 110 + 112  # each setting prefilled apart, the eager one too
+    assert per_method["kvzip"] == 2 * 40.0 + 4 * 1.0  # the replay once per setting, not once per ratio
+    rerun = kvmem + [dict(r, prefill_s=20.0, method="snapkv", compress_s=0.0) for r in kvmem]
+    assert spent(rerun)[0] == 30.0 and spent(rerun, fresh=True)[0] == 15.0  # spent vs one fresh prefill (median)
