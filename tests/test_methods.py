@@ -168,6 +168,29 @@ def test_kvzip_scores_are_max_attention_while_reconstructing(smollm2, prefilled)
     assert kvzip != kept_positions(cache, "kvzip:budget=uniform", 0.3, context)
 
 
+def test_kvzip_says_what_chunk_fits_when_the_context_is_nearly_full(smollm2, prefilled):
+    from kvmem.errors import KVMemError
+
+    cache, _ = prefilled
+    ids = smollm2.tokenizer(open(__file__).read()).input_ids[:N_CTX]
+    with pytest.raises(KVMemError, match="use a chunk of at most 10 tokens"):
+        kvzip_on_a_model_ending_after(smollm2, cache, ids, room=10)
+    with pytest.raises(KVMemError, match="no chunk fits"):
+        kvzip_on_a_model_ending_after(smollm2, cache, ids, room=-5)
+
+
+def kvzip_on_a_model_ending_after(lm, cache, ids, room: int):
+    """KVzip on a model whose context ends `room` tokens after the repeat prompt of the cached context."""
+    import dataclasses
+
+    from kvmem.compress.kvzip import REPEAT_FIRST, KVzip
+    from kvmem.prompts import user_turn_end
+
+    prompt = len(lm.tokenizer(REPEAT_FIRST, add_special_tokens=False).input_ids + user_turn_end(lm.tokenizer))
+    small = dataclasses.replace(lm, max_context=cache.get_seq_length() + prompt + room)
+    return KVzip().pair_scores(cache, ModelContext(small, ids))
+
+
 def test_expected_attention_from_pre_rope_query_statistics(smollm2, prefilled):
     """Independent path: pre-RoPE queries straight from q_proj, the future rotations from the model's own
     rotary embedding (kvmem de-rotates its stored queries with the frequencies instead)."""

@@ -71,8 +71,11 @@ class KVzip(Method):
             prompt = encode(REPEAT_FIRST) if c0 == 0 else encode(REPEAT_NEXT) + doc[max(0, c0 - self.overlap):c0]
             repeat = prompt + turn_end + part
             if cache.get_seq_length() + len(repeat) > lm.max_context:
+                room = lm.max_context - cache.get_seq_length() - len(prompt + turn_end)
+                hint = (f"use a chunk of at most {room} tokens" if room > 0 else
+                        f"no chunk fits: leave at least {len(prompt + turn_end) + 1} of the model's tokens free")
                 raise KVMemError(f"kvzip needs room to reconstruct a chunk: {cache.get_seq_length()} cached + "
-                                 f"{len(repeat)} tokens > {lm.max_context} that {lm.name} allows; use a smaller chunk")
+                                 f"{len(repeat)} tokens > {lm.max_context} that {lm.name} allows; {hint}")
             self._score_chunk(lm, cache, repeat, head, head + c0, head + c0 + len(part), scores)
         return scores
 
