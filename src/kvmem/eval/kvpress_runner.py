@@ -31,6 +31,9 @@ One sample costs two prefills, not one per press and ratio (kvpress's pipeline w
 4. Answers come from a DynamicCache built from the kept tensors; head-wise presses (AdaKV, KVzip) keep the
    full cache and mask keys through kvpress's attention patch. Answers whose caches have the same shapes
    are decoded as one batch (bit-identical here; CPU decoding reads all weights per step, so it is cheaper).
+   The question is one forward, as in kvpress's pipeline, except where transformers would mask that forward
+   wrongly (layers of one kind holding different rows: Gemma-3's compressed global layers, PyramidKV;
+   `short_layers`); there it is fed one token at a time.
 `--check N` runs kvpress's own pipeline (KVPressTextGenerationPipeline.forward) per press and ratio on N
 samples and compares the compressed caches, masks and greedy tokens with this harness.
 
@@ -49,7 +52,8 @@ work (KVzip: all its replay passes), answer_s the row's share of its batch's que
 
 kvpress failures seen on transformers 5.2 (recorded as `error`, exactly as the pipeline raises them):
 * PyramidKV, whenever its layer budgets differ (keep 0.5 here): transformers sizes the attention mask
-  from one layer's cache length, so the question's forward fails on the other layers.
+  from one layer's cache length, so the question's forward fails on the other layers. Since the question is
+  fed one token at a time there (`short_layers`) it runs; SmolLM2's PyramidKV records predate that.
 * Gemma-3: ExpectedAttention (and AdaKV over it) call the rotary embedding without the layer type Gemma-3
   needs; KVzipPress refuses Gemma-3.
 Gemma-3 (our Gemma3ForCausalLM): kvpress skips sliding-window layers only for Gemma3ForConditionalGeneration.
@@ -181,9 +185,12 @@ def decode(model, tok, cache, s: dict, batch: int) -> list[list[int]]:
     """Feed the question on top of `cache` (`batch` identical rows) and decode greedily by the shared rule."""
     question = torch.tensor([s["question_ids"]] * batch)
     position = len(s["context_ids"])  # as kvpress: positions continue after the original context
-    positions = torch.arange(position, position + question.shape[1]).expand(batch, -1)
-    logits = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits[:, -1]
-    position += question.shape[1]
+    # one forward for the question, as kvpress's pipeline, unless that forward would not be causal (short_layers)
+    pieces = question.split(1, dim=1) if short_layers(model, cache) else (question,)
+    for piece in pieces:
+        positions = torch.arange(position, position + piece.shape[1]).expand(batch, -1)
+        logits = model(input_ids=piece, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits[:, -1]
+        position += piece.shape[1]
     ends, newlines, answers = set(s["eos_ids"]), newline_ids(tok), [normalize(a) for a in s["answers"]]
     outs, done = [[] for _ in range(batch)], [False] * batch
     for _ in range(s["max_new_tokens"]):
@@ -205,6 +212,18 @@ def decode(model, tok, cache, s: dict, batch: int) -> list[list[int]]:
         logits = model(input_ids=next_ids[:, None], past_key_values=cache, position_ids=step).logits[:, -1]
         position += 1
     return outs
+
+
+def short_layers(model, cache) -> bool:
+    """Does a full-attention layer hold other than the cache's sequence length in rows? transformers 5.2 takes a
+    forward's query positions from that length and sizes each layer type's mask from one layer, so a multi-token
+    forward is then masked wrongly: not causally on Gemma-3, whose compressed global layers sit beside whole
+    sliding windows (every question token sees every later one: changing only the question's last token moves
+    its first tokens' logits by up to 9.8, `results/race/question-mask-check.py`), and with mismatched sizes
+    under PyramidKV's per-layer budgets (it raises). A single token needs no mask, so one at a time is right."""
+    sliding = [getattr(layer.self_attn, "is_sliding", False) for layer in model.model.layers]
+    seen = cache.get_seq_length()
+    return any(not sl and layer.keys.shape[-2] != seen for sl, layer in zip(sliding, cache.layers))
 
 
 def new_cache(model) -> DynamicCache:

@@ -193,41 +193,50 @@ def headline(rows: list[dict], usable: dict[tuple, list[str]], full: dict) -> li
 # --- the race against kvpress -------------------------------------------------------------------
 
 
+def race_bests(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, press: Scores,
+               usable: dict[tuple, list[str]], setting: str = "agnostic") -> list[dict]:
+    """Per model x length x keep ratio kvpress ran (in one setting): kvmem's best and kvpress's best summary rows
+    (each among cells with at least RACE_MIN_SAMPLES samples; kvmem's on every sample the suite has) and their
+    paired difference (kvmem - kvpress) on the `common` samples both ran."""
+    k_index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in kvmem_rows
+               if r["task"] == MEAN and r["setting"] == setting}
+    p_index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in press_rows
+               if r["task"] == MEAN and r["setting"] == setting}
+    out = []
+    for model, length in sorted({k[:2] for k in p_index}):
+        tasks = set(usable.get((model, length), []))
+        for ratio in sorted({k[3] for k in p_index if k[:2] == (model, length) and k[3] < 1.0}, reverse=True):
+            kb = [r for k, r in k_index.items() if k[:2] == (model, length) and k[3] == ratio
+                  and r["n"] >= RACE_MIN_SAMPLES and r["complete"]]
+            pb = [r for k, r in p_index.items() if k[:2] == (model, length) and k[3] == ratio and r["n"] >= RACE_MIN_SAMPLES]
+            if not kb or not pb:
+                continue
+            kbest, pbest = max(kb, key=lambda r: r["score"]), max(pb, key=lambda r: r["score"])
+            a = kvmem.samples(model, length, setting, kbest["method"], ratio, tasks)
+            b = press.samples(model, length, setting, pbest["method"], ratio, tasks)
+            out.append(dict(model=model, length=length, keep_ratio=ratio, kvmem=kbest, kvpress=pbest,
+                            diff=paired(a, b), common=len(set(a) & set(b))))
+    return out
+
+
 def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, press: Scores,
                 usable: dict[tuple, list[str]], fidelity: bool = True, setting: str = "agnostic") -> list[str]:
     """Per model x length x keep ratio (in one setting): kvmem's best against kvpress's best, the paired
     difference, and bytes held; then the fidelity check of the methods both libraries have."""
-    lines = []
-    k_index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in kvmem_rows
-               if r["task"] == MEAN and r["setting"] == setting}
     p_index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in press_rows
                if r["task"] == MEAN and r["setting"] == setting}
     keys = sorted({k[:2] for k in p_index})
     if not keys:
         return [f"No kvpress records in the {setting} setting yet: run `make race`.", ""]
-    lines += ["| model @ length | keep | kvmem best | KV MiB held | kvpress best | KV MiB held | kvmem − kvpress (paired) |",
-              "|---|---|---|---|---|---|---|"]
-    for model, length in keys:
-        tasks = set(usable.get((model, length), []))
-        for ratio in sorted({k[3] for k in p_index if k[:2] == (model, length) and k[3] < 1.0}, reverse=True):
-            kb = [r for k, r in k_index.items() if k[:2] == (model, length) and k[3] == ratio]
-            pb = [r for k, r in p_index.items() if k[:2] == (model, length) and k[3] == ratio]
-            if not kb or not pb:
-                continue
-            kb = [r for r in kb if r["n"] >= RACE_MIN_SAMPLES and r["complete"]]  # on every sample the suite has
-            pb = [r for r in pb if r["n"] >= RACE_MIN_SAMPLES]
-            if not kb or not pb:
-                continue
-            kbest, pbest = max(kb, key=lambda r: r["score"]), max(pb, key=lambda r: r["score"])
-            diff = paired(kvmem.samples(model, length, setting, kbest["method"], ratio, tasks),
-                          press.samples(model, length, setting, pbest["method"], ratio, tasks))
-            common = set(kvmem.samples(model, length, setting, kbest["method"], ratio, tasks)) & set(
-                press.samples(model, length, setting, pbest["method"], ratio, tasks))
-            verdict = "–" if diff is None else _fmt(diff) + f" n={len(common)}" + (
-                " (significant)" if diff.significant else " (not significant)")
-            lines.append(f"| {model} @ {length} | {ratio:g} | {kbest['method']}: {_fmt(_iv(kbest))} n={kbest['n']} | "
-                         f"{_mib(kbest['kv_bytes'])} | {pbest['method']}: {_fmt(_iv(pbest))} n={pbest['n']} | "
-                         f"{_mib(pbest['kv_bytes'])} | {verdict} |")
+    lines = ["| model @ length | keep | kvmem best | KV MiB held | kvpress best | KV MiB held | kvmem − kvpress (paired) |",
+             "|---|---|---|---|---|---|---|"]
+    for b in race_bests(kvmem_rows, press_rows, kvmem, press, usable, setting):
+        kbest, pbest, diff = b["kvmem"], b["kvpress"], b["diff"]
+        verdict = "–" if diff is None else _fmt(diff) + f" n={b['common']}" + (
+            " (significant)" if diff.significant else " (not significant)")
+        lines.append(f"| {b['model']} @ {b['length']} | {b['keep_ratio']:g} | {kbest['method']}: {_fmt(_iv(kbest))} "
+                     f"n={kbest['n']} | {_mib(kbest['kv_bytes'])} | {pbest['method']}: {_fmt(_iv(pbest))} n={pbest['n']} | "
+                     f"{_mib(pbest['kv_bytes'])} | {verdict} |")
     if not fidelity:
         return lines + [""]
     lines += ["", f"### Fidelity: the methods both libraries have ({setting}; paired difference kvmem − kvpress)", "",
@@ -249,6 +258,52 @@ def race_tables(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, p
                              f"{_fmt(diff)} n={len(common)} | {'no' if diff.significant else 'yes'} |")
     lines.append("")
     return lines
+
+
+AGNOSTIC_TARGET = (0.25, 0.9)  # issue 8: agnostic at keep 0.25 keeps >= 90 % of the full-cache score
+RACE_TARGET_RATIOS = (0.25, 0.1)  # issue 8: kvmem's best >= kvpress's best there, with fewer bytes held
+FEWER_BYTES = 0.01  # "fewer bytes" means at least this fraction fewer
+
+
+def target_lines(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, press: Scores,
+                 usable: dict[tuple, list[str]]) -> list[str]:
+    """The query-agnostic targets, each judged per model x length from the rows the tables show."""
+    keep, share = AGNOSTIC_TARGET
+    index = {(r["model"], r["length"], r["method"], r["keep_ratio"]): r for r in kvmem_rows
+             if r["task"] == MEAN and r["setting"] == "agnostic"}
+    lines, met = [], defaultdict(list)
+    for model, length in sorted(usable):
+        best = [r for k, r in index.items() if k[:2] == (model, length) and k[3] == keep and r["best"]]
+        full = index.get((model, length, "full", 1.0))
+        if not best or not full or not full["score"]:
+            continue
+        b = best[0]
+        ok = b["score"] >= share * full["score"]
+        met[model].append(ok)
+        lines.append(f"  - {model} @ {length}: {b['method']} {_fmt(_iv(b))} against the full cache's {full['score']:.2f}: "
+                     f"{b['score'] / full['score']:.0%} ({'met' if ok else 'not met'})")
+    head = [f"* **Agnostic at keep {keep:g} keeps >= {share:.0%} of the full-cache score** (the column's best, by its "
+            "point estimate): " + "; ".join(f"{m}: {'met' if all(v) else 'not met'}" for m, v in sorted(met.items()))]
+    race, total = [], 0
+    for setting in _race_settings(press_rows):
+        for b in race_bests(kvmem_rows, press_rows, kvmem, press, usable, setting):
+            if b["keep_ratio"] not in RACE_TARGET_RATIOS or b["diff"] is None:
+                continue
+            k, p, d = b["kvmem"], b["kvpress"], b["diff"]
+            fewer = k["kv_bytes"] < (1 - FEWER_BYTES) * p["kv_bytes"]  # not a rounding difference of a few rows
+            ok = d.estimate >= 0 and fewer
+            total += ok
+            why = "" if ok else " (" + ", ".join(x for x in ("kvmem's best scores lower" if d.estimate < 0 else "",
+                                                          "not fewer bytes" if not fewer else "") if x) + ")"
+            race.append(f"  - {b['model']} @ {b['length']} {setting} {b['keep_ratio']:g}: {k['method']} − {p['method']} "
+                        f"{_fmt(d)} n={b['common']} ({'significant' if d.significant else 'not significant'}), "
+                        f"{_mib(k['kv_bytes'])} against {_mib(p['kv_bytes'])} MiB: {'met' if ok else 'not met'}{why}")
+    if race:
+        head.append(f"* **kvmem's best >= kvpress's best at keep {' and '.join(f'{r:g}' for r in RACE_TARGET_RATIOS)}, "
+                    f"with fewer bytes held** (paired estimate >= 0; bytes at least {FEWER_BYTES:.0%} fewer): met in "
+                    f"{total} of {len(race)} (model, length, "
+                    "setting, keep) cells")
+    return [head[0], *lines, *head[1:], *race, ""]
 
 
 def _race_settings(press_rows: list[dict]) -> list[str]:
@@ -477,6 +532,7 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
     pareto = _pareto_plot(rows, press_rows, out)
     if pareto:
         lines += [f"![score vs KV bytes held]({pareto.name})", ""]
+    lines += ["## Targets of the query-agnostic methods (issue 8)", "", *target_lines(rows, press_rows, kvmem, press, usable)]
     if (speed_dir / "results.json").exists():
         from kvmem.eval.speed import speed_section
 
@@ -513,6 +569,8 @@ def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("
             race_lines += [f"**The race against kvpress** ({setting}; `make race`): kvmem's best against kvpress's best, "
                            "paired on the samples both ran.", "",
                            *race_tables(rows, press_rows, kvmem, press, usable, fidelity=False, setting=setting)]
+        race_lines += ["**Targets of the query-agnostic methods** (issue 8):", "",
+                       *target_lines(rows, press_rows, kvmem, press, usable)]
     block = "\n".join([
         "<!-- results: regenerated from results/longctx/records.jsonl (the Headline of results/longctx/report.md) -->",
         "Regenerate with `make bench` (it resumes from `results/longctx/records.jsonl`). Mean score over the tasks the",
