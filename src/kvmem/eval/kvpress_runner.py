@@ -185,7 +185,7 @@ def decode(model, tok, cache, s: dict, batch: int) -> list[list[int]]:
     """Feed the question on top of `cache` (`batch` identical rows) and decode greedily by the shared rule."""
     question = torch.tensor([s["question_ids"]] * batch)
     position = len(s["context_ids"])  # as kvpress: positions continue after the original context
-    # one forward for the question, as kvpress's pipeline, unless that forward would not be causal (short_layers)
+    # one forward for the question, as kvpress's pipeline, unless transformers would mask it wrongly (short_layers)
     pieces = question.split(1, dim=1) if short_layers(model, cache) else (question,)
     for piece in pieces:
         positions = torch.arange(position, position + piece.shape[1]).expand(batch, -1)

@@ -303,7 +303,7 @@ def target_lines(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, 
                     f"with fewer bytes held** (paired estimate >= 0; bytes at least {FEWER_BYTES:.0%} fewer): met in "
                     f"{total} of {len(race)} (model, length, "
                     "setting, keep) cells")
-    return [head[0], *lines, *head[1:], *race, ""]
+    return [*(head[:1] + lines if met else []), *head[1:], *race, ""]  # no usable task: no share to judge
 
 
 def _race_settings(press_rows: list[dict]) -> list[str]:
