@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 KVMEM  := $(VENV)/bin/kvmem
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-speed bench-retrieval bench-quant bench-reuse bench-serve race race-setup clean
+.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve race race-setup clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -36,19 +36,29 @@ test: setup redis
 BASE_METHODS := full,random,streaming-llm,h2o,snapkv,tova,knorm
 AGNOSTIC_METHODS := kvzip,kvzip-head,expected-attention,expected-attention:budget=adaptive,keydiff,q-filters,curdkv
 METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo,streaming-llm:budget=razor
-SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --methods $(METHODS) --threads 1 --out results/longctx
+GEMMA_METHODS := $(METHODS),kvzip:sliding=keep,keydiff:sliding=keep
+SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --threads 1 --out results/longctx
 TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa-cloze
 
 bench: setup
 	$(MAKE) -j2 bench-smollm2 bench-gemma
-	$(MAKE) bench-speed bench-retrieval bench-quant bench-reuse bench-serve
+	$(MAKE) -j2 bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 bench-smollm2: setup
-	$(KVMEM) eval --models smollm2-135m --lengths 2048,4096 --tasks $(TASKS),niah-multikey,niah-single-word,passkey,niah-multivalue,niah-single-noise $(SUITE)
+	$(KVMEM) eval --models smollm2-135m --lengths 2048,4096 --tasks $(TASKS),niah-multikey,niah-single-word,passkey,niah-multivalue,niah-single-noise --methods $(METHODS) $(SUITE)
 
 bench-gemma: setup
-	$(KVMEM) eval --models gemma3-270m --lengths 4096,8192 --tasks $(TASKS) $(SUITE)
+	$(KVMEM) eval --models gemma3-270m --lengths 4096,8192 --tasks $(TASKS) --methods $(GEMMA_METHODS) $(SUITE)
+
+# What the suite costs on the current code (the report's "from scratch" figures): the first 2 samples of each
+# headline task (those of the committed report), every method, one 1-thread process beside another. Delete
+# results/cost first to re-time.
+COST := --samples 2 --ratios 1.0,0.5,0.25,0.1 --threads 1 --out results/cost
+bench-cost: setup
+	$(KVMEM) eval --models smollm2-135m --lengths 2048 --tasks fact-profile,fact-single,niah-single-number --methods $(METHODS) $(COST)
+	$(KVMEM) eval --models smollm2-135m --lengths 4096 --tasks fact-single,niah-single-noise,niah-single-number --methods $(METHODS) $(COST)
+	$(KVMEM) eval --models gemma3-270m --lengths 4096,8192 --tasks fact-distractors,fact-single,niah-single-number --methods $(GEMMA_METHODS) $(COST)
 
 bench-speed: setup
 	$(KVMEM) eval --suite speed --models smollm2-135m,gemma3-270m --lengths 2048,4096,8192 --threads 1 --out results/speed

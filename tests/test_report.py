@@ -180,20 +180,40 @@ def test_race_scores_a_raw_answer_from_its_own_expected_answers(tmp_path):
 
 
 def test_cost_counts_the_headline_tasks_against_the_wall_clock_goal():
-    from kvmem.eval.report import WALL_GOAL_H, cost_lines
+    from kvmem.eval.report import WALL_GOAL_H, cost_lines, projected
     rows = records(METHODS, n=10)
     for r in rows:
         r["prefill_s"] = WALL_GOAL_H * 3600 / 10  # 10 headline samples: half the goal on 2 cores
     heavy = [dict(r, method="kvzip", compress_s=1000.0) for r in rows if r["method"] == "good"]  # +5.6 h on 2 cores
-    usable = {("m", 1024): ["easy"]}
-    lines = cost_lines(rows + heavy, [], "suite", usable, lambda m: m == "kvzip")
+    usable, samples = {("m", 1024): ["easy"]}, {("m", 1024, "easy"): 10, ("m", 1024, "hard"): 10}
+    lines = cost_lines(rows + heavy, [], "suite", usable, samples, {"without kvzip": lambda m: m != "kvzip",
+                                                                    "the cheap ones": lambda m: m in ("full", "bad")})
     assert "20 samples" in lines[0]  # the flagged task counts in the total, not in the verdicts
-    every, without = lines[1].split("; without")
+    assert "(10 samples)" in lines[1]
+    every, without, cheap = lines[1].split(" h: ", 1)[1].split("; ")
     assert "every method" in every and "(not met)" in every
-    assert "(kvzip)" in without and "(met)" in without
+    assert "without kvzip, " in without and "(met)" in without
+    assert "the cheap ones, 2.00 h (met)" in cheap  # 10 samples x 1440 s of prefill / 2 (the answers add 10 s)
     spend = lines[2].split("per method")[1]
     assert spend.index("kvzip") < spend.index("good") < spend.index("full")  # most expensive first
-    assert len(cost_lines(rows, [], "suite", {("m", 1024): []})) == 1  # no headline task: no verdict
+    assert len(cost_lines(rows, [], "suite", {("m", 1024): []}, samples, {})) == 1  # no headline task: no verdict
+
+    # priced from a timing run of 2 samples, scaled to the headline's 10; what it lacks is named, not guessed
+    timing = [dict(r, prefill_s=r["prefill_s"] / 4) for r in rows + heavy if r["sample"] < 2]
+    timing[0]["output"] = "another answer"
+    timed = cost_lines(rows + heavy, [], "suite", usable, samples, {"without kvzip": lambda m: m != "kvzip"},
+                       timing, "a timing run")
+    assert "from a timing run (each price a mean over at least 2 samples" in timed[1]
+    assert "71 of its 72 answers that the suite also has are the same text" in timed[2]
+    assert "without kvzip, 0.50 h (met)" in timed[1]  # 10 samples x 360 s of prefill / 2, plus 14 s of answers
+    partial = [r for r in timing if r["method"] != "kvzip" and (r["method"] != "bad" or r["setting"] == "agnostic")]
+    lines = cost_lines(rows, [], "suite", usable, samples, {}, partial, "a timing run")
+    assert "(not priced in full)" in lines[1] and "bad (aware): m @ 1024 (1 task)" in lines[3]
+    assert "(not met)" in cost_lines(rows + heavy, [], "suite", usable, samples, {}, [r for r in timing if r["method"] != "bad"],
+                                     "a timing run")[1]  # over the goal even without what is missing
+    every = projected(rows + heavy, {("m", 1024, "easy"): 10})
+    subset = projected(rows + heavy, {("m", 1024, "easy"): 10}, first={"kvzip": 2})  # as `make race` runs KVzip
+    assert subset[1]["kvzip"] == pytest.approx(every[1]["kvzip"] / 5) and subset[1]["good"] == every[1]["good"]
 
 
 def test_spent_counts_each_prefill_and_a_shared_press_once():
@@ -209,8 +229,9 @@ def test_spent_counts_each_prefill_and_a_shared_press_once():
         if r["method"] == "observed-attention":
             r["prefill_s"] += 100.0  # its own eager prefill
     prefill, per_method = spent(kvpress)
-    assert prefill == 10 + 12 + 110 + 112  # each setting prefilled apart, the eager one too
+    assert prefill == 10 + 12  # each setting prefilled apart
     assert per_method["kvzip"] == 2 * 40.0 + 4 * 1.0  # the replay once per setting, not once per ratio
+    assert per_method["observed-attention"] == 110 + 112 + 2 * 1.0 + 4 * 1.0  # its eager prefills are its own cost
     rerun = kvmem + [dict(r, prefill_s=20.0, method="snapkv", compress_s=0.0) for r in kvmem]
     assert spent(rerun)[0] == 30.0 and spent(rerun, fresh=True)[0] == 15.0  # spent vs one fresh prefill (median)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +41,9 @@ SETTINGS = ("agnostic", "aware")
 SHARED = {"random": "random", "streaming-llm": "streaming-llm", "snapkv": "snapkv", "tova": "tova",
           "knorm": "knorm", "h2o": "observed-attention"}  # kvmem method -> the kvpress press that does the same
 WALL_GOAL_H = 4.0  # the headline suite, and the race, should each run within this on the 2 cores
+FIRST_METHODS = ("full", "h2o", "knorm", "random", "snapkv", "streaming-llm", "tova")  # the suite the goal was set for
+FIRST_PRESSES = ("full", *(SHARED[m] for m in FIRST_METHODS if m in SHARED))  # kvpress's side of it
+RACE_FIRST = {"kvzip": 10, "observed-attention": 10}  # presses `make race` runs on the first 10 samples a task
 BENCH_COMMANDS_NOTE = "See the Makefile's `bench` and `race` targets for the exact commands."
 
 
@@ -387,33 +390,84 @@ def _hours(seconds: float) -> str:
 EAGER_PRESSES = {"observed-attention"}  # kvpress_runner.EAGER: prefilled again with eager attention
 
 
-def spent(rows: list[dict], fresh: bool = False) -> tuple[float, dict[str, float]]:
-    """Process seconds of prefills, and per method of compression and answers. kvmem's settings share one
-    prefill; kvpress prefills each setting apart (and again, eagerly, for observed-attention). A sample
-    prefilled again by a later run counts again, unless `fresh` (what one run from scratch would take: the
-    median of its recorded prefills, once). A kvpress press's time counts once per (sample, setting,
-    method), since a scoring shared by its ratios (KVzip's replay) is charged to each of them; kvmem's
-    answers are batched, so a row takes its share."""
-    prefills, presses, per_method = defaultdict(set), {}, defaultdict(float)
+def _costs(rows: list[dict]) -> tuple[dict[tuple, list[float]], dict[tuple, dict[tuple, float]]]:
+    """Process seconds, attributed: the prefill times recorded per prefilled sample (kvmem's settings share one
+    prefill; kvpress prefills each setting apart), and per (model, length, task, setting, method) the seconds of
+    each sample: compression, its share of a batch of answers (kvmem's are batched), and a kvpress press once
+    per sample (a scoring shared by its ratios, KVzip's replay, is on each of their records), with the eager
+    prefill observed-attention needs (kvpress_runner.EAGER) charged to that press."""
+    prefills: dict[tuple, list[float]] = defaultdict(list)
+    per_key: dict[tuple, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
+    once: dict[tuple, float] = {}  # (key, sample) -> the seconds a kvpress press costs a sample once
     for r in rows:
         kvpress = r.get("library") == "kvpress"
         sample = (r["model"], r["length"], r["task"], r["sample"], r["setting"] if kvpress else None)
-        prefills[(sample, kvpress and r["method"] in EAGER_PRESSES)].add(r.get("prefill_s", 0.0))
-        key = (sample, r["setting"], r["method"])
-        presses[key] = max(presses.get(key, 0.0), r.get("press_s", 0.0))
-        per_method[r["method"]] += r.get("compress_s", 0.0) + r.get("answer_s", 0.0) / max(r.get("batch", 1), 1)
-    for (_, _, method), seconds in presses.items():
-        per_method[method] += seconds
-    prefill = sum(statistics.median(times) if fresh else sum(times) for times in prefills.values())
-    return prefill, dict(per_method)
+        key = (r["model"], r["length"], r["task"], r["setting"], r["method"])
+        if kvpress and r["method"] in EAGER_PRESSES:
+            once[(key, sample, "prefill")] = max(once.get((key, sample, "prefill"), 0.0), r.get("prefill_s", 0.0))
+        else:
+            prefills[sample].append(r.get("prefill_s", 0.0))
+        once[(key, sample, "press")] = max(once.get((key, sample, "press"), 0.0), r.get("press_s", 0.0))
+        per_key[key][sample[:4]] += r.get("compress_s", 0.0) + r.get("answer_s", 0.0) / max(r.get("batch", 1), 1)
+    for (key, sample, _), seconds in once.items():
+        per_key[key][sample[:4]] += seconds
+    return prefills, per_key
+
+
+def spent(rows: list[dict], fresh: bool = False) -> tuple[float, dict[str, float]]:
+    """Process seconds of prefills, and per method of compression and answers (`_costs`). A sample prefilled
+    again by a later run counts again, unless `fresh` (what one run from scratch would take: the median of its
+    recorded prefills, once)."""
+    prefills, per_key = _costs(rows)
+    per_method: dict[str, float] = defaultdict(float)
+    for key, by_sample in per_key.items():
+        per_method[key[-1]] += sum(by_sample.values())
+    return sum(_prefill(times, fresh) for times in prefills.values()), dict(per_method)
+
+
+def _prefill(times: list[float], fresh: bool) -> float:
+    """One prefilled sample's seconds: every recorded prefill, or what one fresh run takes (their median)."""
+    return statistics.median(set(times)) if fresh else sum(set(times))
+
+
+def projected(rows: list[dict], samples: dict[tuple, int], expected: set[tuple[str, str]] | None = None,
+              not_runnable: set[tuple[str, str]] = frozenset(),
+              first: dict[str, int] | None = None) -> tuple[float, dict[str, float], int, list[str]]:
+    """What running `rows`' methods on `samples` ((model, length, task) -> sample count) would take from
+    scratch, each part priced per sample from the samples that ran it (`_costs`): the mean fresh prefill of a
+    task's samples, and of every (setting, method) `expected` (default: those in `rows`), its mean over the
+    task's samples that ran it.
+    Returns (prefills, per method, the fewest samples a price came from, what no sample ran so could not be
+    priced: "method (setting): model @ length" with its task count). A (model, method) in `not_runnable`
+    (the library fails there) is not expected; a method in `first` runs on only that many samples a task."""
+    prefills, per_key = _costs(rows)
+    pairs = sorted(expected if expected is not None else {key[3:] for key in per_key})  # (setting, method)
+    prefill, per_method, fewest, missing = 0.0, defaultdict(float), None, Counter()
+    for task, n in sorted(samples.items()):
+        mine = [times for sample, times in prefills.items() if sample[:3] == task]
+        if not mine:
+            missing[f"every method: {task[0]} @ {task[1]}"] += 1
+            continue
+        prefill += n * statistics.mean(_prefill(times, True) for times in mine)
+        for setting, method in pairs:
+            by_sample = per_key.get((*task, setting, method))
+            if by_sample:
+                per_method[method] += min(n, (first or {}).get(method, n)) * statistics.mean(by_sample.values())
+                fewest = len(by_sample) if fewest is None else min(fewest, len(by_sample))
+            elif (task[0], method) not in not_runnable:
+                missing[f"{method} ({setting}): {task[0]} @ {task[1]}"] += 1
+    return prefill, dict(per_method), fewest or 0, [f"{what} ({n} task{'s' * (n > 1)})" for what, n in missing.items()]
 
 
 def cost_lines(records: list[dict], runs: list[dict], label: str, usable: dict[tuple, list[str]],
-               runs_model: Callable[[str], bool] | None = None) -> list[str]:
+               samples: dict[tuple, int], parts: dict[str, Callable[[str], bool]], timing: list[dict] | None = None,
+               timing_label: str = "", not_runnable: set[tuple[str, str]] = frozenset(),
+               first: dict[str, int] | None = None) -> list[str]:
     """Compute spent (`spent`), and elapsed wall clock of the runs (union of their intervals, so two
-    processes running side by side count once). Then the headline suite alone (usable tasks) against
-    WALL_GOAL_H on two 1-thread processes; with `runs_model` (does a method run the model to score?),
-    also without those methods, whose extra cost is paid once per stored cache."""
+    processes running side by side count once). Then the headline suite from scratch (usable tasks, each with
+    its `samples`) against WALL_GOAL_H on two 1-thread processes, for every method and for each of `parts`
+    (a name -> which methods it keeps), priced per sample by `timing` (a run of the current code; default:
+    the records themselves; `projected`, with the methods in `first` run on that many samples a task)."""
     def process_time(rows: list[dict], fresh: bool = False) -> float:
         prefill, per_method = spent(rows, fresh)
         return prefill + sum(per_method.values())
@@ -427,30 +481,44 @@ def cost_lines(records: list[dict], runs: list[dict], label: str, usable: dict[t
         else:
             cur[1] = max(cur[1], e)
     elapsed += (cur[1] - cur[0]) if cur else 0.0
-    samples = len({(r["model"], r["length"], r["task"], r["sample"]) for r in records})
-    lines = [f"- {label}: {samples} samples, {_hours(process_time(records))} of process time (prefills, "
+    n_samples = len({(r["model"], r["length"], r["task"], r["sample"]) for r in records})
+    lines = [f"- {label}: {n_samples} samples, {_hours(process_time(records))} of process time (prefills, "
              f"compression and answers); elapsed wall clock of the runs: {_hours(elapsed)} "
              f"({len(spans)} runs, processes side by side counted once)."]
-    headline = [r for r in records if r["task"] in usable.get((r["model"], r["length"]), ())]
-    if not headline:
+    headline = [r for r in timing or records if r["task"] in usable.get((r["model"], r["length"]), ())]
+    todo = {task: n for task, n in samples.items() if task[2] in usable.get(task[:2], ())}
+    if not headline or not todo:
         return lines
-    parts = [("every method", headline)]
-    if runs_model is not None:
-        heavy = sorted({r["method"] for r in headline if runs_model(r["method"])})
-        if heavy:
-            parts.append((f"without those that run the model to score ({', '.join(heavy)})",
-                          [r for r in headline if r["method"] not in heavy]))
-    verdicts = []
-    for what, rows in parts:
-        wall = process_time(rows, fresh=True) / 2
-        verdicts.append(f"{what}, {_hours(wall)} ({'met' if wall <= WALL_GOAL_H * 3600 else 'not met'})")
-    lines.append(f"  - The headline tasks alone, run from scratch on two 1-thread processes (process time with one "
-                 f"prefill a sample, / 2), against the goal of "
+    methods = sorted({r["method"] for r in records})
+    verdicts, every, fewest, missing = [], None, None, []
+    for what, keeps in {"every method": lambda m: True, **parts}.items():
+        kept = [m for m in methods if keeps(m)]
+        if not kept:
+            continue
+        price = projected([r for r in headline if r["method"] in kept], todo,
+                          {(r["setting"], r["method"]) for r in records if r["method"] in kept}, not_runnable, first)
+        wall = (price[0] + sum(price[1].values())) / 2
+        verdict = "met" if wall <= WALL_GOAL_H * 3600 else "not met"
+        verdicts.append(f"{what}, {_hours(wall)} ({verdict if not price[3] or verdict == 'not met' else 'not priced in full'})")
+        fewest = price[2] if fewest is None else min(fewest, price[2])
+        every, missing = every or price, missing or price[3]
+    subsets = "".join(f", {m} on the first {n} a task" for m, n in (first or {}).items())
+    lines.append(f"  - The headline tasks run from scratch ({sum(todo.values())} samples{subsets}) on two 1-thread processes, "
+                 f"priced per sample from {timing_label or 'its own records'} (each price a mean over at least "
+                 f"{fewest} samples; one prefill a sample; process time / 2), against the goal of "
                  f"<= {WALL_GOAL_H:g} h: " + "; ".join(verdicts) + ".")
-    prefill, per_method = spent(headline, fresh=True)
-    lines.append(f"  - Where that goes: prefills {_hours(prefill)}, then per method (compression or press, and its "
-                 "share of the answers): " + ", ".join(
-                     f"{m} {_hours(t)}" for m, t in sorted(per_method.items(), key=lambda kv: -kv[1])) + ".")
+    if timing:
+        cell = lambda r: (r["model"], r["length"], r["task"], r["sample"], r["setting"], r["method"], r["keep_ratio"])  # noqa: E731
+        outputs = {cell(r): r["output"] for r in records}
+        both = [r for r in timing if cell(r) in outputs]
+        lines.append(f"  - The timing run answers as the suite did: {sum(outputs[cell(r)] == r['output'] for r in both)} "
+                     f"of its {len(both)} answers that the suite also has are the same text.")
+    if missing:
+        lines.append(f"  - Not priced (run on no sample of a task, so left out of the figures above): "
+                     + "; ".join(missing) + ".")
+    lines.append(f"  - Where that goes (every method): prefills {_hours(every[0])}, then per method (compression or "
+                 "press, and its share of the answers): " + ", ".join(
+                     f"{m} {_hours(t)}" for m, t in sorted(every[1].items(), key=lambda kv: -kv[1])) + ".")
     return lines
 
 
@@ -484,9 +552,26 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
 
     lines = ["# kvmem long-context benchmark", "", __doc__.split("\n\n", 1)[1].split("`results.json`")[0].strip(), "",
              BENCH_COMMANDS_NOTE, "", "## Cost", ""]
-    lines += cost_lines(records, read_records(out / "runs.jsonl"), "kvmem suite", usable, _runs_model)
+    samples = Counter(key[:3] for key in {(r["model"], r["length"], r["task"], r["sample"]) for r in records})
+    heavy = sorted({r["method"] for r in records if _runs_model(r["method"])})
+    timing = read_records(out.parent / "cost" / "records.jsonl") if (out.parent / "cost" / "records.jsonl").exists() else None
+    commits = sorted({r.get("commit", "?") for r in timing or []})
+    windowed = {r["model"] for r in records if ":sliding=" in r["method"]}  # models with sliding-window layers
+    lines += cost_lines(records, read_records(out / "runs.jsonl"), "kvmem suite", usable, samples,
+                        {f"without those that run the model to score ({', '.join(heavy)})": lambda m: m not in heavy,
+                         f"the first seven, the suite the goal was set for ({', '.join(FIRST_METHODS)})":
+                             lambda m: m in FIRST_METHODS},
+                        timing, f"a timing run of the current code (`results/cost`, commit {', '.join(commits)})",
+                        {(model, m) for model in {task[0] for task in samples} - windowed
+                         for m in {r["method"] for r in records if ":sliding=" in r["method"]}})
     if press_records:
-        lines += cost_lines(press_records, read_records(race_dir / "runs.jsonl"), "kvpress race", usable)
+        errors = json.loads((race_dir / "errors.json").read_text()) if (race_dir / "errors.json").exists() else {}
+        failing = {(model, name.split(" @ keep ")[0]) for model, presses in errors.get("not_runnable", {}).items()
+                   for name in presses}
+        lines += cost_lines(press_records, read_records(race_dir / "runs.jsonl"), "kvpress race", usable, samples,
+                            {f"the presses matching the first seven ({', '.join(FIRST_PRESSES)})":
+                                 lambda m: m in FIRST_PRESSES},
+                            not_runnable=failing, first=RACE_FIRST)
     lines += ["", "## Which tasks count", "",
               f"Full-cache score per task (agnostic prompt, 95% CI, n samples); ⚠ = below {FULL_CACHE_MIN}, left out "
               "of every average. A task stopped after its first samples showed the model cannot do it has fewer samples.", ""]
