@@ -53,7 +53,7 @@ bench-gemma: setup
 
 # What the suite costs on the current code (the report's "from scratch" figures): the first 2 samples of each
 # headline task (those of the committed report), every method, one 1-thread process beside another. Delete
-# results/cost first to re-time.
+# results/cost/records.jsonl to re-time.
 COST := --samples 2 --ratios 1.0,0.5,0.25,0.1 --threads 1 --out results/cost
 bench-cost: setup
 	$(KVMEM) eval --models smollm2-135m --lengths 2048 --tasks fact-profile,fact-single,niah-single-number --methods $(METHODS) $(COST)
