@@ -232,6 +232,8 @@ def test_spent_counts_each_prefill_and_a_shared_press_once():
     assert prefill == 10 + 12  # each setting prefilled apart
     assert per_method["kvzip"] == 2 * 40.0 + 4 * 1.0  # the replay once per setting, not once per ratio
     assert per_method["observed-attention"] == 110 + 112 + 2 * 1.0 + 4 * 1.0  # its eager prefills are its own cost
+    from kvmem.eval.report import projected
+    assert projected(kvpress, {("m", 1024, "t"): 3})[0] == 3 * (10 + 12)  # a sample costs both settings' prefills
     rerun = kvmem + [dict(r, prefill_s=20.0, method="snapkv", compress_s=0.0) for r in kvmem]
     assert spent(rerun)[0] == 30.0 and spent(rerun, fresh=True)[0] == 15.0  # spent vs one fresh prefill (median)
 

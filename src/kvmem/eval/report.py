@@ -444,11 +444,14 @@ def projected(rows: list[dict], samples: dict[tuple, int], expected: set[tuple[s
     pairs = sorted(expected if expected is not None else {key[3:] for key in per_key})  # (setting, method)
     prefill, per_method, fewest, missing = 0.0, defaultdict(float), None, Counter()
     for task, n in sorted(samples.items()):
-        mine = [times for sample, times in prefills.items() if sample[:3] == task]
+        mine: dict[tuple, float] = defaultdict(float)  # sample -> its prefills (kvpress: one per setting)
+        for sample, times in prefills.items():
+            if sample[:3] == task:
+                mine[sample[:4]] += _prefill(times, True)
         if not mine:
             missing[f"every method: {task[0]} @ {task[1]}"] += 1
             continue
-        prefill += n * statistics.mean(_prefill(times, True) for times in mine)
+        prefill += n * statistics.mean(mine.values())
         for setting, method in pairs:
             by_sample = per_key.get((*task, setting, method))
             if by_sample:
@@ -499,14 +502,15 @@ def cost_lines(records: list[dict], runs: list[dict], label: str, usable: dict[t
                           {(r["setting"], r["method"]) for r in records if r["method"] in kept}, not_runnable, first)
         wall = (price[0] + sum(price[1].values())) / 2
         verdict = "met" if wall <= WALL_GOAL_H * 3600 else "not met"
-        verdicts.append(f"{what}, {_hours(wall)} ({verdict if not price[3] or verdict == 'not met' else 'not priced in full'})")
+        verdict = verdict if not price[3] or verdict == "not met" else "not priced in full"
+        verdicts.append(f"{what}, {_hours(wall)} ({verdict})")
         fewest = price[2] if fewest is None else min(fewest, price[2])
         every, missing = every or price, missing or price[3]
     subsets = "".join(f", {m} on the first {n} a task" for m, n in (first or {}).items())
-    lines.append(f"  - The headline tasks run from scratch ({sum(todo.values())} samples{subsets}) on two 1-thread processes, "
-                 f"priced per sample from {timing_label or 'its own records'} (each price a mean over at least "
-                 f"{fewest} samples; one prefill a sample; process time / 2), against the goal of "
-                 f"<= {WALL_GOAL_H:g} h: " + "; ".join(verdicts) + ".")
+    lines.append(f"  - The headline tasks run from scratch ({sum(todo.values())} samples{subsets}) on two 1-thread "
+                 f"processes, priced per sample from {timing_label or 'its own records'} (each price a mean over at "
+                 f"least {fewest} samples; each sample prefilled once, kvpress once per setting; process time / 2), "
+                 f"against the goal of <= {WALL_GOAL_H:g} h: " + "; ".join(verdicts) + ".")
     if timing:
         cell = lambda r: (r["model"], r["length"], r["task"], r["sample"], r["setting"], r["method"], r["keep_ratio"])  # noqa: E731
         outputs = {cell(r): r["output"] for r in records}
