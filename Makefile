@@ -36,7 +36,7 @@ test: setup redis
 BASE_METHODS := full,random,streaming-llm,h2o,snapkv,tova,knorm
 AGNOSTIC_METHODS := kvzip,kvzip-head,expected-attention,expected-attention:budget=adaptive,keydiff,q-filters,curdkv
 METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo,streaming-llm:budget=razor
-GEMMA_METHODS := $(METHODS),kvzip:sliding=keep,keydiff:sliding=keep
+GEMMA_METHODS := $(METHODS),kvzip:sliding=keep,keydiff:sliding=keep,keydiff:kernel_size=33:sliding=keep
 SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --threads 1 --out results/longctx
 TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa-cloze
 
@@ -100,10 +100,10 @@ bench-serve: setup redis
 	$(PY) -c "from kvmem.eval.load_report import update_readme; update_readme()"
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
-# KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first 10 samples a task.
+# KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first samples a task that
+# race.COSTLY_FIRST names (10).
 race: setup race-setup
-	$(KVMEM) race --presses random,streaming-llm,snapkv,tova,knorm,expected-attention,ada-expected-attention,keydiff,pyramidkv --settings agnostic,aware
-	$(KVMEM) race --presses kvzip,observed-attention --first 10 --settings agnostic,aware
+	$(KVMEM) race --presses random,streaming-llm,snapkv,tova,knorm,expected-attention,ada-expected-attention,keydiff,pyramidkv,kvzip,observed-attention --settings agnostic,aware
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 # The kvpress side of `make race`: kvpress 0.5.5 pins transformers<5.3, kvmem needs 5.24, so it gets its

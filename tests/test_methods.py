@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from kvmem.cache import KVCache
 from kvmem.compress import METHODS, ModelContext, compress, get_method
 from kvmem.compress.base import head_views
+from kvmem.errors import KVMemError
 from kvmem.generate import feed
 from kvmem.models import cache_dir
 
@@ -125,6 +126,22 @@ def test_keydiff_keeps_the_keys_least_like_the_mean_direction(prefilled):
             torch.testing.assert_close(get_method("keydiff").score(view), expected, atol=1e-5, rtol=1e-4)
     keydiff = kept_positions(cache, "keydiff", 0.3)
     assert keydiff != kept_positions(cache, "random", 0.3) and keydiff != kept_positions(cache, "knorm", 0.3)
+
+
+def test_keydiff_kernel_size_pools_the_scores_so_neighbours_come_along(prefilled):
+    """kernel_size max-pools keydiff's scores (SnapKV's pooling): a row scores the best of its neighbourhood, so
+    the kept rows come in runs around distinctive keys; kernel 1 is the paper's scorer."""
+    cache = prefilled[0]
+    view = head_views(cache.layers[LAYERS[0]], LAYERS[0])[0]
+    plain, pooled = get_method("keydiff").score(view), get_method("keydiff:kernel_size=9").score(view)
+    torch.testing.assert_close(get_method("keydiff:kernel_size=1").score(view), plain)
+    torch.testing.assert_close(pooled, F.max_pool1d(plain[None, None], 9, stride=1, padding=4)[0, 0])
+    best = int(plain.argmax())
+    assert (pooled[max(0, best - 4):best + 5] == plain[best]).all()  # the best key's neighbours score as it does
+    kept = kept_positions(cache, "keydiff:kernel_size=9", 0.3)
+    assert kept != kept_positions(cache, "keydiff", 0.3) and kept != kept_positions(cache, "random", 0.3)
+    with pytest.raises(KVMemError, match="odd kernel_size"):
+        get_method("keydiff:kernel_size=8")
 
 
 def test_curdkv_scores_are_windowed_key_times_value_leverage(prefilled):

@@ -126,6 +126,29 @@ def test_race_export_puts_the_question_into_the_aware_context(tmp_path):
         export_tasks(tmp_path, path, samples=2, settings=("both",))
 
 
+def test_race_runs_the_costly_presses_on_their_first_samples(tmp_path, monkeypatch):
+    """`make race` names every press once: the cheap ones run on every sample, KVzip and observed-attention
+    on their first COSTLY_FIRST samples a task (the subset the report prices them on); `--first` overrides."""
+    from kvmem.eval import race as race_mod
+
+    def export(bench, path, *args, **kwargs):
+        path.write_text("".join(json.dumps(dict(model="m", sample=i)) + "\n" for i in range(12)))
+
+    calls = []
+    monkeypatch.setattr(race_mod, "export_tasks", export)
+    monkeypatch.setattr(race_mod, "run_kvpress", lambda tasks, out, venv, threads, extra: calls.append(
+        (extra[1], sorted({json.loads(line)["sample"] for line in tasks.read_text().splitlines()}))))
+    monkeypatch.setattr(race_mod, "score_raw", lambda out: 0)
+    monkeypatch.setattr("kvmem.eval.report.write_report", lambda bench, out: None)
+    race_mod.race(tmp_path, tmp_path / "race", presses=["snapkv", "kvzip", "knorm", "observed-attention"])
+    first = race_mod.COSTLY_FIRST
+    assert calls == [("snapkv,knorm", list(range(12))), ("kvzip", list(range(min(12, first["kvzip"])))),
+                     ("observed-attention", list(range(min(12, first["observed-attention"]))))]
+    calls.clear()
+    race_mod.race(tmp_path, tmp_path / "race", presses=["snapkv", "kvzip"], first=3)
+    assert calls == [("snapkv,kvzip", [0, 1, 2])]
+
+
 def test_no_significance_from_a_handful_of_samples():
     """Six samples where one method always answers and the other never would give a zero-width bootstrap
     interval; below PAIRED_MIN_SAMPLES the report claims no difference at all."""

@@ -43,7 +43,6 @@ SHARED = {"random": "random", "streaming-llm": "streaming-llm", "snapkv": "snapk
 WALL_GOAL_H = 4.0  # the headline suite, and the race, should each run within this on the 2 cores
 FIRST_METHODS = ("full", "h2o", "knorm", "random", "snapkv", "streaming-llm", "tova")  # the suite the goal was set for
 FIRST_PRESSES = ("full", *(SHARED[m] for m in FIRST_METHODS if m in SHARED))  # kvpress's side of it
-RACE_FIRST = {"kvzip": 10, "observed-attention": 10}  # presses `make race` runs on the first 10 samples a task
 BENCH_COMMANDS_NOTE = "See the Makefile's `bench` and `race` targets for the exact commands."
 
 
@@ -569,13 +568,15 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
                         {(model, m) for model in {task[0] for task in samples} - windowed
                          for m in {r["method"] for r in records if ":sliding=" in r["method"]}})
     if press_records:
+        from kvmem.eval.race import COSTLY_FIRST  # how `make race` runs the costly presses
+
         errors = json.loads((race_dir / "errors.json").read_text()) if (race_dir / "errors.json").exists() else {}
         failing = {(model, name.split(" @ keep ")[0]) for model, presses in errors.get("not_runnable", {}).items()
                    for name in presses}
         lines += cost_lines(press_records, read_records(race_dir / "runs.jsonl"), "kvpress race", usable, samples,
                             {f"the presses matching the first seven ({', '.join(FIRST_PRESSES)})":
                                  lambda m: m in FIRST_PRESSES},
-                            not_runnable=failing, first=RACE_FIRST)
+                            not_runnable=failing, first=COSTLY_FIRST)
     lines += ["", "## Which tasks count", "",
               f"Full-cache score per task (agnostic prompt, 95% CI, n samples); ⚠ = below {FULL_CACHE_MIN}, left out "
               "of every average. A task stopped after its first samples showed the model cannot do it has fewer samples.", ""]
