@@ -271,7 +271,7 @@ def race(
     check: int = typer.Option(0, help="Instead: compare kvpress's own pipeline with the harness on N samples a model."),
     presses: Optional[str] = typer.Option(None, help="Comma-separated kvpress presses to run (default: all)."),
     first: Optional[int] = typer.Option(None, help="Run them on the first N samples of each task only (default: "
-                                                   "all, but KVzip and observed-attention on their first 10)."),
+                                                   "all; kvzip and observed-attention named in --presses: 10)."),
     settings: str = typer.Option("agnostic", help="Comma-separated settings, agnostic and/or aware (aware: the "
                                                   "question is compressed with the context, as kvpress's query-aware "
                                                   "evaluation does)."),
