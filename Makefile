@@ -70,7 +70,10 @@ bench-retrieval: setup
 # Quantization (issue 9): every kvmem scheme beside transformers' QuantizedCache (quanto, fp8): Delta-ppl on 2 held-out
 # texts of 2048 tokens and decode ms per token on both models, then the task table and the eviction x quantization
 # frontier on each model's usable tasks at its shortest headline length, with its best query-agnostic eviction
-# (SmolLM2 2k: kvzip; Gemma-3 4k: keydiff:sliding=keep) at 0.5/0.25/0.1 crossed with TASK_SCHEMES; 10 samples a task.
+# (SmolLM2 2k: kvzip; Gemma-3 4k: keydiff:sliding=keep and keydiff:kernel_size=33:sliding=keep) at 0.5/0.25/0.1 crossed with TASK_SCHEMES; 10 samples a task.
+# Gemma-3 8k too, with its best agnostic method and five schemes, and SmolLM2 4k's kvzip at 0.1 with two: the long-context
+# report's issue-8 target (kvmem's best >= kvpress's best with fewer bytes) counts these cells where the method alone
+# does not meet it (Gemma: it holds kvpress's bytes; SmolLM2 4k 0.1: it scores 0.07 lower than kvpress's KVzip, n.s.).
 TASK_SCHEMES := kivi-4,kivi-2,kvquant-3,kvquant-2,rotatekv-2,adaquant-k4v2,cq-2,cq-1,mikv,hf-quanto-4,hf-quanto-2,hf-fp8
 QUANT_SCHEMES := kivi-8,kivi-4,kivi-3,kivi-2,kvquant-4,kvquant-3,kvquant-2,adaquant-k4v2,adaquant-k2v4,rotatekv-4,rotatekv-3,rotatekv-2,cq-2,cq-1,mikv,hf-quanto-4,hf-quanto-4-kivi,hf-quanto-2,hf-quanto-2-kivi,hf-fp8
 
@@ -78,7 +81,9 @@ bench-quant: setup
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 2048 --texts 2 --quant $(QUANT_SCHEMES) --parts ppl,decode --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 2048 --quant $(TASK_SCHEMES) --parts tasks --methods kvzip --samples 10 --threads 1 --out results/quant
-	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 4096 --quant $(TASK_SCHEMES) --parts tasks --methods keydiff:sliding=keep --samples 10 --threads 1 --out results/quant
+	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 4096 --quant $(TASK_SCHEMES) --parts tasks --methods keydiff:sliding=keep,keydiff:kernel_size=33:sliding=keep --samples 10 --threads 1 --out results/quant
+	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 8192 --quant kivi-4,kivi-2,kvquant-3,adaquant-k4v2,mikv --parts tasks --methods keydiff:kernel_size=33:sliding=keep --samples 10 --threads 1 --out results/quant
+	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,mikv --parts tasks --methods kvzip --ratios 0.1 --samples 10 --threads 1 --out results/quant
 	$(PY) -c "from kvmem.eval.quant_report import update_readme; update_readme()"
 
 # Reuse (issue 10): time to first token with and without stored KV at 1k/4k/8k, per tier (memory, disk with the page

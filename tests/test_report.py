@@ -278,6 +278,17 @@ def test_targets_judge_the_agnostic_share_and_the_race_with_bytes():
     assert "m @ 1024 agnostic 0.25: good − knorm" in text and "(kvmem's best scores lower, not fewer bytes)" in text
     assert "met in 0 of 2" in text  # both settings
 
+    # the quant suite's records of kvmem's best with a scheme on top (agnostic only): kivi-4 meets the cell with
+    # fewer bytes; transformers' own caches (hf-*) are not kvmem's and never count, even scoring higher
+    quant = [dict(r, part="tasks", scheme=scheme, kv_bytes=100) for scheme, p in (("kivi-4", 0.95), ("hf-fp8", 1.0))
+             for r in records({"good": {0.25: p}}) if r["setting"] == "agnostic"]
+    text = "\n".join(target_lines(rows, press_rows, kvmem, press, usable, quant))
+    assert "with kivi-4 on top (results/quant, n=30)" in text
+    assert "hf-" not in text and "met in 1 of 2" in text and "counting kvmem's best with its best-scoring quantization" in text
+    usable_two = {("m", 1024): ["easy", "other"]}  # a quant run that has not reached every usable task does not count
+    text = "\n".join(target_lines(rows, press_rows, kvmem, press, usable_two, quant))
+    assert "with kivi-4 on top" not in text and "met in 0 of 2" in text
+
     press_records = [r for r in press_records if r["method"] != "knorm"]  # now snapkv is kvpress's best, holding more
     press = Scores(press_records)
     text = "\n".join(target_lines(rows, summary_rows(press, usable, "kvpress"), kvmem, press, usable))
