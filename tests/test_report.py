@@ -209,8 +209,8 @@ def test_cost_counts_the_headline_tasks_against_the_wall_clock_goal():
         r["prefill_s"] = WALL_GOAL_H * 3600 / 10  # 10 headline samples: half the goal on 2 cores
     heavy = [dict(r, method="kvzip", compress_s=1000.0) for r in rows if r["method"] == "good"]  # +5.6 h on 2 cores
     usable, samples = {("m", 1024): ["easy"]}, {("m", 1024, "easy"): 10, ("m", 1024, "hard"): 10}
-    lines = cost_lines(rows + heavy, [], "suite", usable, samples, {"without kvzip": lambda m: m != "kvzip",
-                                                                    "the cheap ones": lambda m: m in ("full", "bad")})
+    lines = cost_lines(rows + heavy, [], "suite", usable, samples, {"without kvzip": lambda r: r["method"] != "kvzip",
+                                                                    "the cheap ones": lambda r: r["method"] in ("full", "bad")})
     assert "20 samples" in lines[0]  # the flagged task counts in the total, not in the verdicts
     assert "(10 samples)" in lines[1]
     every, without, cheap = lines[1].split(" h: ", 1)[1].split("; ")
@@ -220,11 +220,17 @@ def test_cost_counts_the_headline_tasks_against_the_wall_clock_goal():
     spend = lines[2].split("per method")[1]
     assert spend.index("kvzip") < spend.index("good") < spend.index("full")  # most expensive first
     assert len(cost_lines(rows, [], "suite", {("m", 1024): []}, samples, {})) == 1  # no headline task: no verdict
+    # a part may keep a setting: kvpress prefills each setting apart, so the agnostic race alone saves a prefill
+    press = [dict(r, library="kvpress", batch=1) for r in rows]
+    lines = cost_lines(press, [], "race", usable, samples, {"agnostic alone": lambda r: r["setting"] == "agnostic"})
+    every, agnostic = lines[1].split(" h: ", 1)[1].split("; ")
+    assert "every method, 4.0" in every and "(not met)" in every  # 10 samples x 2 prefills x 1440 s / 2, + answers
+    assert "agnostic alone, 2.0" in agnostic and "(met)" in agnostic
 
     # priced from a timing run of 2 samples, scaled to the headline's 10; what it lacks is named, not guessed
     timing = [dict(r, prefill_s=r["prefill_s"] / 4) for r in rows + heavy if r["sample"] < 2]
     timing[0]["output"] = "another answer"
-    timed = cost_lines(rows + heavy, [], "suite", usable, samples, {"without kvzip": lambda m: m != "kvzip"},
+    timed = cost_lines(rows + heavy, [], "suite", usable, samples, {"without kvzip": lambda r: r["method"] != "kvzip"},
                        timing, "a timing run")
     assert "from a timing run (each price a mean over at least 2 samples" in timed[1]
     assert "71 of its 72 answers that the suite also has are the same text" in timed[2]
@@ -293,3 +299,15 @@ def test_targets_judge_the_agnostic_share_and_the_race_with_bytes():
     press = Scores(press_records)
     text = "\n".join(target_lines(rows, summary_rows(press, usable, "kvpress"), kvmem, press, usable))
     assert "good − snapkv" in text and "met in 2 of 2" in text
+
+
+def test_prefill_lines_compare_one_prefill_of_each_library():
+    from kvmem.eval.report import prefill_lines
+    row = dict(model="m", length=1024, task="t", setting="agnostic", keep_ratio=0.5)
+    press = [dict(row, sample=i, method="full", prefill_s=10.0 + i) for i in range(3)]
+    press += [dict(row, sample=0, method="observed-attention", keep_ratio=k, prefill_s=30.0) for k in (0.5, 0.25)]
+    press += [dict(row, sample=1, method="observed-attention", prefill_s=40.0)]
+    timing = [dict(row, sample=i, method=m, prefill_s=5.5) for i in range(2) for m in ("full", "snapkv")]
+    line = prefill_lines(press, timing)[0]
+    assert "m @ 1024: kvpress 11 s (eager 35 s), kvmem 6 s (2.0x)" in line  # medians; one eager prefill a sample
+    assert prefill_lines([], timing) == []

@@ -24,7 +24,8 @@ One sample costs two prefills, not one per press and ratio (kvpress's pipeline w
    the `masked_key_indices` AdaKV sets), and leaves the real cache full. Presses whose score() ignores the
    ratio compute it once per layer for all ratios.
 2. One eager prefill serves observed-attention, which needs attention weights: kvpress requires
-   attn_implementation="eager" for it, so its answers are decoded in eager too.
+   attn_implementation="eager" for it, so its answers are decoded in eager too. A run of observed-attention
+   alone on samples whose full-cache row is recorded does this prefill only.
 3. KVzip scores tokens by replaying the context over the prefilled cache (its own context manager, handed
    the cache of step 1 instead of prefilling again). The scores do not depend on the ratio, so its
    `compress_post` runs once per ratio on the same scores.
@@ -401,14 +402,28 @@ def timed(timing: dict, phase: str):
     timing[phase] = (time.perf_counter() - wall, time.process_time() - cpu)
 
 
-def run_sample(model, tok, s: dict, methods: list[str], ratios: list[float]) -> tuple[list[Job], dict]:
-    """Every method and ratio on one sample; returns the jobs and the (wall, CPU) seconds of each phase."""
+def run_sample(model, tok, s: dict, methods: list[str], ratios: list[float],
+               full_done: bool = False) -> tuple[list[Job], dict]:
+    """Every method and ratio on one sample; returns the jobs and the (wall, CPU) seconds of each phase.
+    With `full_done` (the full cache's row is recorded) and only eager presses to run, the SDPA prefill is
+    skipped: jobs[0] then holds the eager prefill's full cache (for kv_bytes_full) and no answer."""
     jobs = make_jobs(methods, ratios)
     context_ids = torch.tensor([s["context_ids"]])
     timing = {}
     sdpa = [j for j in jobs if j.press is not None and not j.eager and not isinstance(j.press, KVzipPress)]
     eager = [j for j in jobs if j.eager]
     zips = [j for j in jobs if isinstance(j.press, KVzipPress)]
+    if full_done and eager and not sdpa and not zips:
+        with timed(timing, "eager"):
+            model.set_attn_implementation("eager")
+            try:
+                cache, _ = prefill(model, context_ids, eager, seed=s["sample"])
+            finally:
+                model.set_attn_implementation("sdpa")
+        jobs[0].kv = [(layer.keys, layer.values) for layer in cache.layers]
+        with timed(timing, "answers"):
+            answer(model, tok, s, eager)
+        return jobs, timing
     with timed(timing, "prefill+presses"):
         cache, jobs[0].prefill_s = prefill(model, context_ids, sdpa, seed=s["sample"])
     timing["of which the prefill alone"] = (jobs[0].prefill_s, None)
@@ -442,7 +457,7 @@ def records(tok, s: dict, jobs: list[Job]) -> list[dict]:
         "library": "kvpress", "model": s["model"], "length": s["length"], "task": s["task"], "sample": s["sample"],
         "setting": s.get("setting", "agnostic"), "method": job.method, "keep_ratio": job.keep_ratio,
         "answers": s["answers"],  # scored from the record itself: the exported prompts are not kept
-        "output": None if job.error else tok.decode(job.tokens), "tokens": job.tokens,
+        "output": None if job.error or job.tokens is None else tok.decode(job.tokens), "tokens": job.tokens,
         "kv_bytes": None if job.error else tensor_bytes(t for kv in job.kv for t in kv), "kv_bytes_full": tensor_bytes(full),
         "kv_storage_bytes": None if job.error else held_bytes(t for kv in job.kv for t in kv),
         "prefill_s": round(job.prefill_s, 4), "press_s": round(job.press_s, 4), "answer_s": round(job.answer_s, 4),
@@ -564,7 +579,7 @@ def main(argv=None) -> None:
             loaded[s["model"]] = load(s["model_path"])
         model, tok = loaded[s["model"]]
         start = time.perf_counter()
-        jobs, timing = run_sample(model, tok, s, todo, ratios)
+        jobs, timing = run_sample(model, tok, s, todo, ratios, full_done="full" in done[key(s)])
         with open(a.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records(tok, s, jobs) if r["method"] not in done[key(s)])
         phases = ", ".join(f"{k} {w:.1f}s" + (f" (cpu {c:.1f}s)" if c else "") for k, (w, c) in timing.items())
