@@ -509,8 +509,9 @@ def cost_lines(records: list[dict], runs: list[dict], label: str, usable: dict[t
     """Compute spent (`spent`), and elapsed wall clock of the runs (union of their intervals, so two
     processes running side by side count once). Then the headline suite from scratch (usable tasks, each with
     its `samples`) against WALL_GOAL_H on two 1-thread processes, for every method and for each of `parts`
-    (a name -> which records it keeps: methods, settings), priced per sample by `timing` (a run of the current code; default:
-    the records themselves; `projected`, with the methods in `first` run on that many samples a task)."""
+    (a name -> which records it keeps: methods, settings), priced per sample by `timing` (a run of the current
+    code; default: the records themselves; `projected`, with the methods in `first` run on that many samples a
+    task)."""
     def process_time(rows: list[dict], fresh: bool = False) -> float:
         prefill, per_method = spent(rows, fresh)
         return prefill + sum(per_method.values())
