@@ -311,3 +311,15 @@ def test_prefill_lines_compare_one_prefill_of_each_library():
     line = prefill_lines(press, timing)[0]
     assert "m @ 1024: kvpress 11 s (eager 35 s), kvmem 6 s (2.0x)" in line  # medians; one eager prefill a sample
     assert prefill_lines([], timing) == []
+
+
+def test_prefill_lines_add_the_quiet_machine_timing_per_arm():
+    from kvmem.eval.report import prefill_lines
+    row = dict(model="m", length=1024, task="t", setting="agnostic", keep_ratio=1.0, method="full", sample=0)
+    quiet = [dict(model="m", length=1024, sample=i, library=lib, arm=arm, seconds=s)
+             for i in range(2) for lib, arm, s in (("kvpress", "transformers 5.2 sdpa", 20.0 + i),
+                                                   ("kvmem", "kvmem feed", 10.0 + i))]
+    lines = prefill_lines([dict(row, prefill_s=30.0)], None, quiet)
+    assert len(lines) == 2 and "2 samples" in lines[1]
+    assert "transformers 5.2 sdpa (kvpress's venv) 20.5 s" in lines[1] and "(kvpress / kvmem 1.95x)" in lines[1]
+    assert len(prefill_lines([dict(row, prefill_s=30.0)], None, [])) == 1

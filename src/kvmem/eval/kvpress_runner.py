@@ -54,7 +54,7 @@ work (KVzip: all its replay passes), answer_s the row's share of its batch's que
 kvpress failures seen on transformers 5.2 (recorded as `error`, exactly as the pipeline raises them):
 * PyramidKV, whenever its layer budgets differ (keep 0.5 here): transformers sizes the attention mask
   from one layer's cache length, so the question's forward fails on the other layers. Since the question is
-  fed one token at a time there (`short_layers`) it runs; SmolLM2's PyramidKV records predate that.
+  fed one token at a time there (`short_layers`) it runs (every PyramidKV record was made so).
 * Gemma-3: ExpectedAttention (and AdaKV over it) call the rotary embedding without the layer type Gemma-3
   needs; KVzipPress refuses Gemma-3.
 Gemma-3 (our Gemma3ForCausalLM): kvpress skips sliding-window layers only for Gemma3ForConditionalGeneration.

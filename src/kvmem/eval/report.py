@@ -565,10 +565,12 @@ def cost_lines(records: list[dict], runs: list[dict], label: str, usable: dict[t
     return lines
 
 
-def prefill_lines(press_records: list[dict], timing: list[dict] | None) -> list[str]:
+def prefill_lines(press_records: list[dict], timing: list[dict] | None, quiet: list[dict] | None = None) -> list[str]:
     """Median seconds of one prefill per model x length: kvpress's SDPA prefill (its full-cache rows, one per
     sample and setting) and eager one (observed-attention's), as its records timed them, against kvmem's (the
-    timing run's, one per sample for both settings)."""
+    timing run's, one per sample for both settings). `quiet`: rows of `results/race/prefill-timing.py`, the
+    same prefills timed one process at a time, per arm (library and attention path), which separates the
+    libraries from the conditions the records were timed in."""
     sdpa, eager, mine = defaultdict(list), defaultdict(dict), defaultdict(dict)
     for r in press_records:
         if r["method"] == "full":
@@ -586,11 +588,31 @@ def prefill_lines(press_records: list[dict], timing: list[dict] | None) -> list[
             ours = statistics.median(mine[key].values())
             cell += f", kvmem {ours:.0f} s ({statistics.median(sdpa[key]) / ours:.1f}x)"
         cells.append(cell)
-    return ["  - Why the race costs more than the suite: kvpress compresses inside the prefill, so it prefills each "
-            "setting apart (the aware context holds the question), and observed-attention needs an eager prefill; "
-            "its prefill is also slower (transformers 5.2; on Gemma-3 its sliding-window layers attend over the whole "
-            "context under a mask, kvmem's over their window only). Median seconds a prefill, kvpress as its records "
-            "timed it (over many sessions), kvmem from its timing run: " + "; ".join(cells) + "."] if cells else []
+    if not cells:
+        return []
+    lines = ["  - Why the race costs more than the suite: kvpress compresses inside the prefill, so it prefills each "
+             "setting apart (the aware context holds the question), and observed-attention needs an eager prefill; "
+             "its prefill is also slower (transformers 5.2; on Gemma-3 its sliding-window layers attend over the whole "
+             "context under a mask, kvmem's over their window only). Median seconds a prefill, kvpress as its records "
+             "timed it (over many sessions), kvmem from its timing run: " + "; ".join(cells) + "."]
+    arms = defaultdict(list)  # (model, length, library, arm) -> seconds
+    for r in quiet or []:
+        arms[r["model"], r["length"], r["library"], r["arm"]].append(r["seconds"])
+    quiet_cells = []
+    for model, length in sorted({k[:2] for k in arms}):
+        medians = {k[2:]: statistics.median(v) for k, v in arms.items() if k[:2] == (model, length)}
+        press = [v for (library, _), v in medians.items() if library == "kvpress"]
+        ours = [v for (_, arm), v in medians.items() if arm.startswith("kvmem")]
+        ratio = f" (kvpress / kvmem {press[0] / ours[0]:.2f}x)" if press and ours else ""
+        quiet_cells.append(f"{model} @ {length}: " + ", ".join(
+            f"{arm} ({library}'s venv) {v:.1f} s" for (library, arm), v in sorted(medians.items())) + ratio)
+    if quiet_cells:
+        n = len({(r["model"], r["sample"]) for r in quiet})
+        lines.append("  - The same prefills timed on a quiet machine, one process at a time, in one sitting "
+                     f"(`results/race/prefill-timing.py`, {n} samples, medians): " + "; ".join(quiet_cells) + ". What "
+                     "the records' ratio has beyond this came from the conditions they were timed in (what ran beside "
+                     "them), not from the libraries.")
+    return lines
 
 
 def _runs_model(spec: str) -> bool:
@@ -651,7 +673,7 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
                              "the agnostic setting alone, the presses matching the first seven":
                                  lambda r: r["setting"] == "agnostic" and r["method"] in FIRST_PRESSES},
                             not_runnable=failing, first=COSTLY_FIRST)
-        lines += prefill_lines(press_records, timing)
+        lines += prefill_lines(press_records, timing, read_records(race_dir / "prefill-timing.jsonl"))
     lines += ["", "## Which tasks count", "",
               f"Full-cache score per task (agnostic prompt, 95% CI, n samples); ⚠ = below {FULL_CACHE_MIN}, left out "
               "of every average. A task stopped after its first samples showed the model cannot do it has fewer samples.", ""]

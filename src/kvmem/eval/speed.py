@@ -465,6 +465,10 @@ def speed_section(rows: list[dict]) -> list[str]:
                           for k in COMPRESSED_KINDS)
         lines.append(f"| {model} | {rs[0]['context_tokens']} | " + " | ".join(cells) + f" | {ratio} |")
     lines += ["", "### Prefill (seconds) and compression (% of the untracked kvmem prefill)", "",
+              "DynamicCache runs on the same model object, under kvmem's attention function: its decode steps are "
+              "transformers' SDPA, but on Gemma-3 its prefill's sliding-window layers read only their window, as "
+              "kvmem's do (stock transformers attends over the whole context under a mask there; timed apart in "
+              "`results/race/prefill-timing.jsonl`).", "",
               "| model | context | DynamicCache | kvmem | kvmem tracked | " + " | ".join(
                   f"{m}{' adaptive' if b == 'adaptive' else ''}" for m, b in _compress_columns(rows)) + " |",
               "|---|---|---|---|---|" + "---|" * len(_compress_columns(rows))]
