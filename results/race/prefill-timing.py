@@ -1,8 +1,12 @@
 """Why is kvpress's prefill slower than kvmem's? One quiet-machine measurement, run in both virtualenvs.
 
     .venv-race/bin/python results/race/prefill-timing.py kvpress      # transformers 5.2, the runner's prefill
-    .venv/bin/python results/race/prefill-timing.py kvmem             # transformers 5.24: stock SDPA and kvmem
-    (the script `run` below does A-B-A: kvpress, kvmem, kvpress, appending to prefill-timing.jsonl)
+    .venv/bin/python results/race/prefill-timing.py kvmem             # transformers 5.25: stock SDPA and kvmem
+    .venv-race/bin/python results/race/prefill-timing.py kvpress      # again (A-B-A), to see drift
+
+Each run appends its rows to prefill-timing.jsonl (the committed file holds exactly these three runs). It reads
+`results/race/tasks-all-all.jsonl`, which git ignores; make it with `kvmem.eval.race.export_tasks(
+Path('results/longctx'), Path('results/race/tasks-all-all.jsonl'), settings=('agnostic', 'aware'))`.
 
 Same token ids (the race's export, `results/race/tasks-all-all.jsonl`, agnostic setting, sample 0 and 1 of the
 first task of each model @ 4096), one thread, one process at a time. Each arm prefills each sample once after

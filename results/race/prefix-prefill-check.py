@@ -6,7 +6,8 @@ prefill once per sample and still reproduce its records exactly.
     .venv-race/bin/python results/race/prefix-prefill-check.py smollm2-135m 2048
 
 Writes prefix-prefill-check.json beside this file: per layer, the largest |difference| between the agnostic
-prefill's keys / values and the aware prefill's first n rows, and whether every hidden state is equal.
+prefill's keys / values and the aware prefill's first n rows, and whether every hidden state is equal. It reads
+`results/race/tasks-all-all.jsonl` (git ignores it; see prefill-timing.py for how to make it).
 """
 
 import json
