@@ -1,7 +1,8 @@
 """`kvmem serve` end to end: real servers on loopback (subprocesses, real SmolLM2), the official openai client.
 
-One server (store in memory, one worker, a queue of one) answers most tests; two replicas on one real
-redis-server (two workers each) answer the sharing and the no-shared-state tests.
+One server (store in memory, continuous batching, a queue of one) answers most tests; one without batching (one
+worker, a queue of one) the worker queue's tests; two replicas on one real redis-server answer the sharing and the
+no-shared-state tests. Batching's own tests (budget, preemption, rows alone vs together) are in test_serve_batching.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ COUNT = [{"role": "user", "content": "Count from 1 to 20, one number per line."}
 
 @pytest.fixture(scope="module")
 def server():
-    with LocalServer(["--store", "memory", "--workers", "1", "--queue", "1", "--threads", "2", "--max-n", "2"]) as s:
+    with LocalServer(["--store", "memory", "--queue", "1", "--threads", "2", "--max-n", "2"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The server without batching: one worker decodes one request at a time, one more may wait."""
+    with LocalServer(["--no-batching", "--workers", "1", "--queue", "1", "--threads", "2"]) as s:
         yield s
 
 
@@ -265,7 +273,8 @@ def test_a_request_past_its_timeout_gets_504(server):
     wait_idle(server, 5)
 
 
-def test_a_request_that_waits_too_long_in_the_queue_gets_504(server):
+def test_a_request_that_waits_too_long_in_the_queue_gets_504(single):
+    server = single
     wait_idle(server)
     busy = threading.Thread(target=lambda: httpx.post(server.url + "/v1/chat/completions", timeout=60,
                                                       json=LONG | {"max_tokens": 40}))
@@ -278,7 +287,8 @@ def test_a_request_that_waits_too_long_in_the_queue_gets_504(server):
     wait_idle(server, 5)
 
 
-def test_a_full_queue_answers_429_with_retry_after(server):
+def test_a_full_queue_answers_429_with_retry_after(single):
+    server = single
     wait_idle(server)
     results: list[httpx.Response] = []
 

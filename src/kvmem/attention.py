@@ -10,6 +10,8 @@ tokens), or none when every query may see every row (a decode step, usually):
 * `kvmem_heads`: ragged storage; per KV head (keys, values, mask or None), attended head by head on the
   exact rows, nothing padded.
 * `kvmem_layer`: the layer to call back with the queries (observation for the scorers, see `observe.py`).
+* `kvmem_rows`: a `RowBatch` (`batch.py`); per sequence (keys, values, its own kwargs of the above), attended
+  sequence by sequence, each on its own rows.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
                     scaling: float | None = None, **kwargs):
     """SDPA, with the rows and mask of a compressed kvmem layer when there is one, plus observation
     (or kv-embedding's re-routed prefix in the layers it asks for)."""
+    rows = kwargs.pop("kvmem_rows", None)  # a RowBatch: each sequence attends its own cache (kvmem.batch)
+    if rows is not None:
+        return torch.cat([kvmem_attention(module, query[b:b + 1], k, v, own.pop("attention_mask", None), dropout, scaling,
+                                          **(kwargs | own))[0] for b, (k, v, own) in enumerate(rows)]), None
     own_mask = "kvmem_mask" in kwargs
     mask = kwargs.pop("kvmem_mask", None)
     heads = kwargs.pop("kvmem_heads", None)  # a layer whose heads hold different numbers of rows

@@ -1,4 +1,5 @@
-"""Answer several caches of one prompt in one batched forward.
+"""Decode several caches in one batched forward: `BatchedCache` (one prompt, padded) and `RowBatch` (rows that join
+and leave, each at its own position; continuous batching).
 
 Decoding on a CPU is bound by reading the weights, so answering B caches together costs little more
 than answering one. The benchmark answers one sample with every method and keep ratio at once this
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvmem.attention import rows_mask
 from kvmem.cache import KVCache, KVLayer
 from kvmem.errors import KVMemError
 
@@ -119,3 +121,101 @@ class BatchedCache(Cache):
         for layer in self.layers:
             layer.keep_rows(index)
         self.rows = len(rows)
+
+
+class RowLayer(CacheLayerMixin):
+    """Layer `idx` of every row of a `RowBatch`: each row's own `KVLayer` takes its new keys and values (its storage,
+    its method's observation, its quantization) and says what its attention reads; kvmem's attention then runs row
+    by row (`kvmem_rows`), so no row is padded to another's length."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, batch: "RowBatch", idx: int):
+        self.batch, self.idx = batch, idx
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: dict | None = None, **_) -> tuple[Tensor, Tensor]:
+        if kwargs is None or kwargs.get("position_ids") is None:
+            raise KVMemError("a RowBatch needs position_ids (one row of positions per sequence)")
+        position_ids = kwargs["position_ids"]
+        q = key_states.shape[2]
+        rows = []
+        for b, cache in enumerate(self.batch.caches):
+            layer = cache.layers[self.idx]
+            own = {"position_ids": position_ids[b:b + 1]}
+            k, v = layer.update(key_states[b:b + 1], value_states[b:b + 1], kwargs=own)
+            if "kvmem_mask" not in own and "kvmem_heads" not in own and q > 1:
+                # an uncompressed layer leaves the mask to the model, which cannot make one per row: build it from
+                # the contiguous positions it holds (the same mask, so transformers' SDPA path is unchanged)
+                new_pos = position_ids[b].to(torch.int32)
+                held = torch.arange(int(new_pos[-1]) + 1 - k.shape[2], int(new_pos[-1]) + 1, dtype=torch.int32)
+                own["attention_mask"] = rows_mask(held[None], new_pos, layer.sliding_window)
+                if own["attention_mask"] is not None:
+                    own["attention_mask"] = own["attention_mask"][None]
+            rows.append((k, v, own))
+        kwargs["kvmem_rows"] = rows
+        return key_states, value_states  # unread: kvmem_rows is used
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        raise KVMemError("a RowBatch holds filled caches")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # the model's mask is unused: each row brings its own
+
+    def get_seq_length(self) -> int:
+        return 0  # rows stand at different positions: the caller passes position_ids
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise KVMemError("a RowBatch cannot be reset; let its rows leave")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise KVMemError("a RowBatch does not support beam search")
+
+
+class RowBatch(Cache):
+    """Sequences decoded together, each in its own `KVCache`: rows join and leave between any two forwards, and each
+    keeps its own positions (RoPE per row), length, compression method, quantization and per-head ragged rows.
+
+    Continuous batching needs exactly this: the linear layers (the weights, what a CPU decode step is bound by) run
+    once for the whole batch, while attention reads every row's own storage in place, so nothing is copied into a
+    padded buffer and no row pays for another's length (`BatchedCache` pads instead: one prompt, fixed rows).
+
+        batch = RowBatch(lm.model.config)
+        batch.join(cache_a); batch.join(cache_b)
+        logits = kvmem.generate.step(lm, batch, [token_a, token_b])   # one forward, (2, vocab)
+        batch.leave(cache_a)
+    """
+
+    def __init__(self, config, caches: list[KVCache] = ()):
+        text = config.get_text_config()
+        self.n_layers = text.num_hidden_layers
+        super().__init__(layers=[RowLayer(self, i) for i in range(self.n_layers)])
+        self.caches: list[KVCache] = []
+        for cache in caches:
+            self.join(cache)
+
+    def join(self, cache: KVCache) -> None:
+        if not isinstance(cache, KVCache) or len(cache.layers) != self.n_layers:
+            raise KVMemError(f"only a kvmem KVCache of this model ({self.n_layers} layers) can join the batch")
+        if any(c is cache for c in self.caches):
+            raise KVMemError("this cache is already a row of the batch")
+        if not cache.layers[0].is_initialized:
+            raise KVMemError("an empty cache cannot join the batch: prefill it first")
+        self.caches.append(cache)
+
+    def leave(self, cache: KVCache) -> None:
+        for i, c in enumerate(self.caches):
+            if c is cache:
+                del self.caches[i]
+                return
+        raise KVMemError("this cache is not a row of the batch")
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
+    def next_positions(self) -> list[int]:
+        return [c.get_seq_length() for c in self.caches]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ RATIOS_DEFAULT = "1.0,0.5,0.25,0.1"
 @app.command("eval")
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow) or serve (kvmem serve under load: store on / off, two replicas on one Redis, a soak with Redis restarted)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow), serve (kvmem serve under load: store on / off, two replicas on one Redis, a soak with Redis restarted) or batching (continuous batching: throughput against concurrency beside transformers serve, and the memory-bound case)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's)."),
@@ -171,13 +172,16 @@ def eval_(
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
     raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
-    parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks); reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas (default all)."),
+    parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks); reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens)."),
     codecs: Optional[str] = typer.Option(None, help="reuse: comma-separated store codecs (default: raw, quant:kivi-8/4/2, cachegen)."),
     clients: int = typer.Option(4, help="serve: concurrent clients."),
     duration: float = typer.Option(120, help="serve: seconds of load with the store on, then off."),
     soak: float = typer.Option(180, help="serve: seconds of the soak (Redis killed a third of the way in, restarted; 0: none)."),
     workers: int = typer.Option(1, help="serve: the servers' --workers (--threads is their torch threads)."),
+    concurrency: str = typer.Option("1,2,4,8,16,32", help="batching: comma-separated client concurrencies of the sweep."),
+    servers: Optional[str] = typer.Option(None, help="batching: kvmem-single, kvmem-batching, transformers (default all)."),
+    kv_budget: str = typer.Option("256MiB", help="batching: the memory phase's --kv-budget."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
     retrieval: embedding methods on the offline retrieval sets (abstracts, questions).
@@ -231,6 +235,19 @@ def eval_(
                                 command=shlex.join(["kvmem", *sys.argv[1:]]))
         console.print(f"report: {report}")
         return
+    if suite == "batching":
+        import shlex
+
+        from kvmem.eval.batching import MEMORY_CONFIGS, SERVERS, run_batching_suite
+
+        report = run_batching_suite(out or Path("results/batching"), _csv(models)[0], tuple(_csv(lengths, int)),
+                                    tuple(_csv(concurrency, int)), duration, threads=threads or 2,
+                                    servers=tuple(_csv(servers)) if servers else SERVERS, memory_budget=kv_budget,
+                                    memory_configs=tuple(_csv(methods)) if methods else tuple(MEMORY_CONFIGS),
+                                    phases=tuple(p for p in _csv(parts) if p in ("sweep", "memory", "steps")) or ("sweep", "memory", "steps"),
+                                    command=shlex.join(["kvmem", *sys.argv[1:]]), log=console.print)
+        console.print(f"report: {report}")
+        return
     if suite == "quant":
         from kvmem.eval.quant import QuantConfig, default_schemes, run_quant
 
@@ -247,7 +264,7 @@ def eval_(
     from kvmem.eval.longctx import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
-        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag, serve")
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag, serve, batching")
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),
@@ -375,8 +392,13 @@ def serve(
     method: str = typer.Option("full", help="Default compression method (a request's kvmem.method overrides it)."),
     keep_ratio: float = typer.Option(1.0, help="Default fraction of the context's KV kept, in (0, 1]."),
     quant: Optional[str] = typer.Option(None, help="Default quantization scheme of the cache, e.g. kivi-4."),
-    workers: int = typer.Option(1, help="Requests computed at once (each in its own thread, batch size 1)."),
-    queue: int = typer.Option(16, help="Requests that may wait for a worker; more get 429 with Retry-After."),
+    batching: bool = typer.Option(True, help="Continuous batching: every running request decodes in one batch, admitted "
+                                  "by KV bytes (--kv-budget). --no-batching: --workers threads, one request each."),
+    kv_budget: str = typer.Option("0.25", help="With batching: KV bytes the running requests may hold, e.g. 512MiB, or a "
+                                  "fraction of the machine's memory (0.25). Past it, requests wait and rows are preempted."),
+    max_batch: int = typer.Option(64, help="With batching: most sequences decoded together."),
+    workers: int = typer.Option(1, help="With --no-batching: requests computed at once (each in its own thread)."),
+    queue: int = typer.Option(16, help="Requests that may wait (for a worker, or for KV memory); more get 429 with Retry-After."),
     threads: int = typer.Option(0, help="torch CPU threads in all (0: all cores)."),
     timeout: float = typer.Option(120.0, help="Seconds a request may take, queueing included (a request's kvmem.timeout overrides it)."),
     max_tokens: int = typer.Option(256, help="Completion tokens when a chat request gives no max_tokens."),
@@ -403,12 +425,27 @@ def serve(
         chunks = ChunkStore(store, codec, chunk_size, store_write)
     if threads:
         torch.set_num_threads(threads)
+    budget = _kv_budget(kv_budget) if batching else None
     lm = load_model(model)
     app_ = create_app(lm, chunks, Options(method=method, keep_ratio=keep_ratio, quant=quant), workers, queue, timeout,
-                      max_tokens, max_n, embed_method)
-    console.print(f"kvmem serve: {lm.name} on http://{host}:{port}/v1 (store: {chunks or 'none'}; {workers} worker(s), "
+                      max_tokens, max_n, embed_method, budget, max_batch)
+    how = f"continuous batching, KV budget {budget / 2**20:.0f} MiB" if batching else f"{workers} worker(s)"
+    console.print(f"kvmem serve: {lm.name} on http://{host}:{port}/v1 (store: {chunks or 'none'}; {how}, "
                   f"queue {queue}, {torch.get_num_threads()} torch threads)", highlight=False)
     uvicorn.run(app_, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def _kv_budget(text: str) -> int:
+    """`--kv-budget`: a size (512MiB) or a fraction of the machine's memory (0.25)."""
+    from kvmem.store.tiers import parse_bytes
+
+    try:
+        fraction = float(text)
+    except ValueError:
+        return parse_bytes(text)
+    if not 0 < fraction <= 1:
+        raise KVMemError(f"--kv-budget {text}: a fraction of memory must be in (0, 1], or give a size such as 512MiB")
+    return int(fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 @app.command("models")

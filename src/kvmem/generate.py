@@ -42,6 +42,24 @@ def feed(lm: LoadedModel, cache: KVCache, ids: Tensor | list[int]) -> Tensor:
     return out.logits[0, -1]
 
 
+@torch.no_grad()
+def step(lm: LoadedModel, batch, ids: list[list[int]]) -> Tensor:
+    """Feed each row of `batch` (a `kvmem.batch.RowBatch`) its tokens (as many for every row), each at its own
+    next position, in one forward; returns the logits of every row's last token, (rows, vocab)."""
+    if len(ids) != len(batch) or not batch.caches:
+        raise KVMemError(f"{len(ids)} rows of tokens for a batch of {len(batch)} sequences")
+    q = len(ids[0])
+    if q == 0 or any(len(row) != q for row in ids):
+        raise KVMemError("every row of a batched step takes the same number of tokens (at least one)")
+    starts = batch.next_positions()
+    if max(starts) + q > lm.max_context:
+        raise KVMemError(f"context too long: {max(starts) + q} tokens > {lm.max_context} that {lm.name} allows")
+    device = lm.model.device
+    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(q, device=device)[None]
+    x = torch.tensor(ids, dtype=torch.long, device=device)
+    return lm.model(input_ids=x, cache=batch, position_ids=positions, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
 PIECE = 512  # tokens per forward of an interruptible prefill
 
 

@@ -211,11 +211,15 @@ def serving(model: str, store: str | None, log_path: Path, threads: int = 1, wor
 # ---------------------------------------------------------------- the clients
 
 
-async def one_request(client, model: str, system: str, user: str, max_tokens: int, options: dict) -> dict:
-    """One streaming chat completion, timed. Never raises: a failure is the record's status and error."""
+async def one_request(client, model: str, system: str, user: str, max_tokens: int, options: dict,
+                      token_times: bool = False, until: float | None = None, rec: dict | None = None) -> dict:
+    """One streaming chat completion, timed (with `token_times`, every content chunk's arrival too, `chunk_s`).
+    At `until` (a `time.perf_counter()` instant) the stream is closed, status "cut". Never raises: a failure is the
+    record's status and error. `rec`: the dict to fill (a caller that cancels the request keeps what arrived)."""
     import openai
 
-    rec = dict(status="ok", error=None, ttft_s=None, latency_s=None, prompt_tokens=None, completion_tokens=None,
+    rec = rec if rec is not None else {}
+    rec |= dict(status="ok", error=None, ttft_s=None, latency_s=None, prompt_tokens=None, completion_tokens=None,
                cached_tokens=None, finish_reason=None, text="", retry_after_s=None)
     parts = []
     t0 = time.perf_counter()
@@ -225,10 +229,16 @@ async def one_request(client, model: str, system: str, user: str, max_tokens: in
             stream=True, stream_options={"include_usage": True}, temperature=0, max_tokens=max_tokens,
             extra_body={"kvmem": options})
         async for chunk in stream:
+            if until is not None and time.perf_counter() > until:
+                rec["status"], rec["completion_tokens"] = "cut", len(rec.get("chunk_s", parts))
+                await stream.close()
+                break
             for choice in chunk.choices or []:
                 if choice.delta is not None and choice.delta.content:
                     if rec["ttft_s"] is None:
                         rec["ttft_s"] = time.perf_counter() - t0
+                    if token_times:
+                        rec.setdefault("chunk_s", []).append(round(time.perf_counter() - t0, 4))
                     parts.append(choice.delta.content)
                 if choice.finish_reason:
                     rec["finish_reason"] = choice.finish_reason
@@ -236,7 +246,9 @@ async def one_request(client, model: str, system: str, user: str, max_tokens: in
                 rec["prompt_tokens"], rec["completion_tokens"] = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
                 details = chunk.usage.prompt_tokens_details
                 rec["cached_tokens"] = getattr(details, "cached_tokens", None) if details is not None else None
-        if rec["ttft_s"] is None:
+        if rec["status"] == "cut":
+            pass
+        elif rec["ttft_s"] is None:
             rec["status"], rec["error"] = "error", "the stream ended without a content chunk"
         elif rec["completion_tokens"] is None:
             rec["status"], rec["error"] = "error", "the stream ended without a usage chunk"

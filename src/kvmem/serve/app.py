@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 import uuid
@@ -38,6 +39,7 @@ from kvmem.errors import KVMemError
 from kvmem.models import LoadedModel
 from kvmem.prompts import Prompt, chat_prompt
 from kvmem.serve.engine import REUSE_MODES, Busy, Engine, Event, Job, Options, Sampling
+from kvmem.serve.scheduler import Scheduler
 from kvmem.serve.metrics import Metrics
 
 DOC_END = "\n\n"  # after each document, as in the RAG benchmark
@@ -128,16 +130,24 @@ def _refuse_unsupported(body: BaseModel) -> None:
 # -- the app -------------------------------------------------------------------------------------------------
 def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, workers: int = 1, queue: int = 16,
                timeout_s: float = 120.0, max_tokens: int = 256, max_n: int = 4,
-               embed_method: str = "prompteol") -> FastAPI:
-    """The API for `lm` (loaded once, shared read-only by every request) with an optional `ChunkStore`."""
+               embed_method: str = "prompteol", kv_budget: int | None = None, max_rows: int = 64) -> FastAPI:
+    """The API for `lm` (loaded once, shared read-only by every request) with an optional `ChunkStore`. With
+    `kv_budget` (bytes) requests are decoded together by continuous batching (`serve.scheduler`); without it each of
+    `workers` threads decodes one request at a time (`serve.engine`)."""
     from kvmem.compress import get_method
     from kvmem.embed import get_embedder, is_lm_method, parse_method
     from kvmem.quant import get_scheme
 
     defaults = defaults or Options()
-    engine = Engine(lm, store, workers, queue)
+    engine = Scheduler(lm, store, kv_budget, queue, max_rows) if kv_budget else Engine(lm, store, workers, queue)
     metrics = Metrics(engine, store)
-    app = FastAPI(title="kvmem", version="0.1.0")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if hasattr(engine, "close"):
+            engine.close()  # the scheduler's thread stops; its swap folder goes
+
+    app = FastAPI(title="kvmem", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     shared_embedders: dict[str, Any] = {}  # reference encoders (no LLM, no hooks): loaded once, used read-only
     fingerprint = lm.fingerprint[:16]
@@ -486,7 +496,9 @@ def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, wor
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": lm.name, "fingerprint": lm.fingerprint, "store": repr(store) if store else None,
-                "running": engine.running, "waiting": engine.waiting, "workers": workers, "queue": queue}
+                "running": engine.running, "waiting": engine.waiting, "queue": queue} | (
+                    {"batching": True, "kv_budget": kv_budget, "batch_rows": len(engine.rows), "swapped": len(engine.swapped),
+                     "preemptions": engine.preemptions} if kv_budget else {"batching": False, "workers": workers})
 
     @app.get("/metrics")
     async def prometheus():

@@ -1,4 +1,7 @@
-"""The serving engine: one shared, read-only model; per request its own cache, compressor and sampler.
+"""The serving engine without batching (`kvmem serve --no-batching`), and what it shares with the batching scheduler
+(`scheduler.py`): a request (`Job`), its prefill (`prefill_job`), its sampling and streamed text (`Stream`).
+
+One shared, read-only model; per request its own cache, compressor and sampler.
 
     engine = Engine(lm, store=ChunkStore("memory,redis://127.0.0.1:6379/0"), workers=1, queue=16)
     job = Job(prompt, Sampling(max_tokens=64), Options(method="snapkv", keep_ratio=0.25))
@@ -15,8 +18,7 @@ cancelled (the client went away) or times out between two tokens, or between two
 tokens, or the store's chunks): its worker returns and its KV is freed. (cacheblend/infoflow prefills are not
 interrupted.)
 
-Batch size is 1: each worker decodes one sequence. On 2 CPU cores the forward of one token already uses
-both, so batching would buy little here; on a GPU it is most of the throughput (see the README).
+Batch size is 1: each worker decodes one sequence (continuous batching is `scheduler.py`, the server's default).
 """
 
 from __future__ import annotations
@@ -124,6 +126,104 @@ def _held_back(text: str, stops: list[str]) -> int:
     return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
+def prefill_job(lm: LoadedModel, store, job: Job, interrupt: Callable[[], None]):
+    """The job's own cache with its prompt read (and compressed): (cache, last logits, reused tokens, KV bytes before
+    and after compression). `interrupt()` is called between prefill pieces (it raises `Stopped` to stop the job; the
+    batching scheduler also decodes its running rows there)."""
+    o = job.options
+    if store is not None:
+        store = store.policy(read=o.use_store, write=o.fill_store) if (o.use_store or o.fill_store) else None
+    if o.reuse == "prefix":
+        p = prepare(lm, job.prompt, o.method, o.keep_ratio, o.query_aware, o.quant, store, interrupt)
+        return p.cache, p.logits, p.reuse.reused_tokens if p.reuse is not None else 0, p.kv_bytes_full, p.kv_bytes
+    from kvmem.reuse.blend import assemble_and_answer, load_document, precompute, store_document
+
+    head, question = job.prompt.context, job.prompt.question
+    docs, reused = [], 0
+    for ids in job.documents:
+        doc = load_document(store, lm, ids, head) if store is not None and o.use_store else None
+        reused += len(ids) if doc is not None else 0
+        if doc is None:
+            doc = precompute(lm, ids, head)
+            if store is not None and o.fill_store:
+                store_document(store, lm, doc)
+        docs.append(doc)
+    res = assemble_and_answer(lm, head, docs, question, o.reuse, o.recompute_ratio, max_new_tokens=0)
+    held = res.cache.kv_bytes()
+    return res.cache, res.logits, reused, held, held
+
+
+def stop_if_ended(job: Job) -> Callable[[], None]:
+    """An `interrupt` that raises `Stopped` once the job is cancelled or past its deadline."""
+    def interrupt():
+        if job.cancel.is_set() or time.monotonic() > job.deadline:
+            raise Stopped()
+    return interrupt
+
+
+class Stream:
+    """One choice being decoded: samples each token from the logits it is given, ends at an end token, a stop string
+    or `limit` tokens, and emits the text as it becomes safe to send (not the start of a possible stop string)."""
+
+    def __init__(self, lm: LoadedModel, job: Job, choice: int, emit: Callable[[Event], None], limit: int,
+                 ends: set[int]):
+        s = job.sampling
+        self.lm, self.job, self.choice, self.emit, self.limit = lm, job, choice, emit, limit
+        self.ends = set() if job.options.ignore_eos else ends
+        seed = s.seed + choice if s.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = torch.Generator().manual_seed(seed)
+        self.out: list[int] = []
+        self.text, self.sent, self.finish, self.first_token_at = "", 0, "length", None
+
+    def push(self, logits: torch.Tensor) -> bool:
+        """Sample and take the next token; False once the choice has ended (`finish` says why)."""
+        s = self.job.sampling
+        if len(self.out) >= self.limit:
+            return False
+        token = sample(logits, s.temperature, s.top_p, self.generator)
+        self.first_token_at = self.first_token_at or time.monotonic()
+        if token in self.ends:
+            self.finish = "stop"
+            return False
+        self.out.append(token)
+        self.text = self.lm.tokenizer.decode(self.out)
+        hits = [i for i in (self.text.find(x, max(self.sent - len(x), 0)) for x in s.stop) if i >= 0]
+        if hits:
+            self.text, self.finish = self.text[:min(hits)], "stop"
+            return False
+        safe = len(self.text) - _held_back(self.text, s.stop)
+        if safe > self.sent:
+            self.emit(Event("delta", self.choice, self.text[self.sent:safe]))
+            self.sent = safe
+        return len(self.out) < self.limit
+
+    def close(self, last: bool, reused: int, kv_full: int, kv_kept: int) -> None:
+        """Send what is left of the text and the `done` event."""
+        text = self.text[:-1] if self.text.endswith("\ufffd") else self.text
+        if len(text) > self.sent:
+            self.emit(Event("delta", self.choice, text[self.sent:]))
+        done, job, n = time.monotonic(), self.job, len(self.out)
+        self.emit(Event("done", self.choice, finish_reason=self.finish, data={
+            "completion_tokens": n, "prompt_tokens": len(job.prompt.ids) + sum(map(len, job.documents)),
+            "reused_tokens": reused, "kv_bytes": kv_kept, "kv_bytes_full": kv_full,
+            "ttft_s": (self.first_token_at or done) - job.arrived,
+            "tpot_s": (done - self.first_token_at) / (n - 1) if n > 1 else None, "last": last}))
+
+
+async def until_last(events: asyncio.Queue) -> AsyncIterator[Event]:
+    """A job's events as they come, to its error or its last choice's `done`."""
+    while True:
+        event = await events.get()
+        yield event
+        if event.kind == "error" or (event.kind == "done" and event.data.get("last")):
+            return
+
+
+def timeout_event(job: Job, choice: int, when: str) -> Event:
+    return Event("error", choice, data={"status": 504, "type": "timeout",
+                                        "message": f"timed out after {job.timeout_s:g} s {when}"})
+
+
 class Engine:
     def __init__(self, lm: LoadedModel, store=None, workers: int = 1, queue: int = 16, on_finish: Callable | None = None):
         if workers < 1 or queue < 0:
@@ -192,19 +292,15 @@ class Engine:
             raise
         if not slot:
             self.active.discard(job)
-            yield Event("error", data={"status": 504, "type": "timeout",
-                                       "message": f"timed out after {job.timeout_s:g} s waiting in the queue"})
+            yield timeout_event(job, 0, "waiting in the queue")
             return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         future = self._start(self._work, job, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
         future.add_done_callback(lambda _: self.active.discard(job))
         try:
-            while True:
-                event = await events.get()
+            async for event in until_last(events):
                 yield event
-                if event.kind == "error" or (event.kind == "done" and event.data.get("last")):
-                    return
         finally:
             job.cancel.set()  # a no-op when the job has finished; else its worker stops at the next token
 
@@ -222,98 +318,39 @@ class Engine:
         finally:
             job.kv_bytes = 0
 
-    def _prefill(self, job: Job):
-        """The job's own cache with the prompt read (and compressed), the last logits and the reused token count."""
-        o, store = job.options, self.store
-        if store is not None:
-            store = store.policy(read=o.use_store, write=o.fill_store) if (o.use_store or o.fill_store) else None
-        if o.reuse == "prefix":
-            def interrupt():
-                if job.cancel.is_set() or time.monotonic() > job.deadline:
-                    raise Stopped()
-
-            p = prepare(self.lm, job.prompt, o.method, o.keep_ratio, o.query_aware, o.quant, store, interrupt)
-            return p.cache, p.logits, p.reuse.reused_tokens if p.reuse is not None else 0, p.kv_bytes_full, p.kv_bytes
-        from kvmem.reuse.blend import load_document, precompute, store_document, assemble_and_answer
-
-        head, question = job.prompt.context, job.prompt.question
-        docs, reused = [], 0
-        for ids in job.documents:
-            doc = load_document(store, self.lm, ids, head) if store is not None and o.use_store else None
-            reused += len(ids) if doc is not None else 0
-            if doc is None:
-                doc = precompute(self.lm, ids, head)
-                if store is not None and o.fill_store:
-                    store_document(store, self.lm, doc)
-            docs.append(doc)
-        res = assemble_and_answer(self.lm, head, docs, question, o.reuse, o.recompute_ratio, max_new_tokens=0)
-        held = res.cache.kv_bytes()
-        return res.cache, res.logits, reused, held, held
-
     def _generate(self, job: Job, choice: int, emit: Callable[[Event], None]) -> bool:
         """Prefill and decode one choice; False when the job ended early (cancelled, timed out)."""
-        s, lm = job.sampling, self.lm
+        lm = self.lm
         if job.cancel.is_set():
             return False
         if time.monotonic() > job.deadline:
-            emit(Event("error", data={"status": 504, "type": "timeout",
-                                      "message": f"timed out after {job.timeout_s:g} s before prefill"}))
+            emit(timeout_event(job, choice, "before prefill"))
             return False
         t0 = time.monotonic()
         try:
-            cache, logits, reused, kv_full, kv_kept = self._prefill(job)
+            cache, logits, reused, kv_full, kv_kept = prefill_job(lm, self.store, job, stop_if_ended(job))
         except Stopped:
             if not job.cancel.is_set():
-                emit(Event("error", choice, data={"status": 504, "type": "timeout",
-                                                  "message": f"timed out after {job.timeout_s:g} s during the prefill"}))
+                emit(timeout_event(job, choice, "during the prefill"))
             return False
         job.kv_bytes = cache.kv_bytes()
         emit(Event("prefilled", choice, data={"reused_tokens": reused, "prefill_s": time.monotonic() - t0,
                                               "kv_bytes": kv_kept, "kv_bytes_full": kv_full}))
-        seed = s.seed + choice if s.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        generator = torch.Generator().manual_seed(seed)
-        ends = set() if job.options.ignore_eos else self._ends
-        limit = min(s.max_tokens, lm.max_context - cache.get_seq_length())
-        out: list[int] = []
-        text, sent, finish, first_token_at = "", 0, "length", None
-        while len(out) < limit:
+        stream = Stream(lm, job, choice, emit, min(job.sampling.max_tokens, lm.max_context - cache.get_seq_length()),
+                        self._ends)
+        while True:
             if job.cancel.is_set():
                 return False
             if time.monotonic() > job.deadline:
-                emit(Event("error", choice, data={"status": 504, "type": "timeout", "message":
-                                                  f"timed out after {job.timeout_s:g} s ({len(out)} tokens generated)"}))
+                emit(timeout_event(job, choice, f"({len(stream.out)} tokens generated)"))
                 return False
-            token = sample(logits, s.temperature, s.top_p, generator)
-            first_token_at = first_token_at or time.monotonic()
-            if token in ends:
-                finish = "stop"
+            if not stream.push(logits):
                 break
-            out.append(token)
-            text = lm.tokenizer.decode(out)
-            hits = [i for i in (text.find(x, max(sent - len(x), 0)) for x in s.stop) if i >= 0]
-            if hits:
-                text, finish = text[:min(hits)], "stop"
-                break
-            safe = len(text) - _held_back(text, s.stop)
-            if safe > sent:
-                emit(Event("delta", choice, text[sent:safe]))
-                sent = safe
-            if len(out) < limit:
-                logits = feed(lm, cache, [token])
-                if len(out) % 32 == 0:
-                    job.kv_bytes = cache.kv_bytes()
-        if text.endswith("\ufffd"):
-            text = text[:-1]
-        if len(text) > sent:
-            emit(Event("delta", choice, text[sent:]))
-        done = time.monotonic()
+            logits = feed(lm, cache, [stream.out[-1]])
+            if len(stream.out) % 32 == 0:
+                job.kv_bytes = cache.kv_bytes()
         job.kv_bytes = cache.kv_bytes()
-        emit(Event("done", choice, finish_reason=finish, data={
-            "completion_tokens": len(out), "prompt_tokens": len(job.prompt.ids) + sum(map(len, job.documents)),
-            "reused_tokens": reused, "kv_bytes": kv_kept, "kv_bytes_full": kv_full,
-            "ttft_s": (first_token_at or done) - job.arrived,
-            "tpot_s": (done - first_token_at) / (len(out) - 1) if len(out) > 1 else None,
-            "last": choice == s.n - 1}))
+        stream.close(choice == job.sampling.n - 1, reused, kv_full, kv_kept)
         del cache, logits
         job.kv_bytes = 0
         return True

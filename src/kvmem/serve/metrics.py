@@ -51,10 +51,17 @@ class Metrics:
         self.reused_tokens = Counter("kvmem_reused_tokens", "Prompt tokens loaded from the store, not computed", registry=r)
         self.completion_tokens = Counter("kvmem_completion_tokens", "Tokens generated", registry=r)
         self.cancelled = Counter("kvmem_cancelled_requests", "Requests whose client went away before the end", registry=r)
-        Gauge("kvmem_queue_depth", "Requests waiting for a worker", registry=r).set_function(lambda: engine.waiting)
+        Gauge("kvmem_queue_depth", "Requests waiting for a worker or for KV memory", registry=r).set_function(lambda: engine.waiting)
         Gauge("kvmem_running_requests", "Requests being computed", registry=r).set_function(lambda: engine.running)
         Gauge("kvmem_kv_bytes_held", "KV cache bytes held by running requests (measured)",
               registry=r).set_function(engine.kv_bytes_held)
+        if hasattr(engine, "kv_budget"):  # continuous batching (serve.scheduler)
+            Gauge("kvmem_kv_budget_bytes", "KV bytes the running rows may hold (--kv-budget)",
+                  registry=r).set_function(lambda: engine.kv_budget)
+            Gauge("kvmem_batch_rows", "Sequences in the decoding batch", registry=r).set_function(lambda: len(engine.rows))
+            Gauge("kvmem_swapped_rows", "Sequences preempted to disk, waiting to resume",
+                  registry=r).set_function(lambda: len(engine.swapped))
+            Gauge("kvmem_preemptions", "Sequences preempted so far", registry=r).set_function(lambda: engine.preemptions)
         if store is not None:
             r.register(_StoreCollector(store))
 

@@ -1,0 +1,319 @@
+"""The continuous-batching benchmark (`make bench-batching`): what batching turns freed KV memory into.
+
+Phases, each its own server on loopback, one after another (never side by side: on 2 cores they would time each
+other), every request a streaming chat completion (the openai client; `kvmem.eval.load.one_request`) at temperature 0
+with `ignore_eos`, so every request decodes exactly `max_tokens`:
+
+* `sweep`: closed-loop clients (each sends its next request when the last ends) at each concurrency for
+  `duration` seconds, on a knowledge base of ~1k and ~4k tokens in the system prompt and a different question per
+  request, against three servers on the same model files: kvmem without batching (`--no-batching`, one worker:
+  what kvmem served before), kvmem with continuous batching, and `transformers serve` (transformers' own server with
+  continuous batching). kvmem runs with its store (the knowledge base is computed once and loaded by every
+  request, as a deployment would run it); whether transformers reused any prompt tokens is recorded.
+  Output tokens/s, requests/s, TTFT and inter-token latency per (server, length, concurrency).
+* `memory`: the memory-bound case. kvmem with continuous batching and a fixed `--kv-budget` (256 MiB), a ~4k-token
+  knowledge base and `memory_clients` clients, once per cache configuration (full, kvzip@0.25, keydiff@0.25,
+  kivi-4, kvzip@0.25 + kivi-4): how many sequences ran at once (the server's `kvmem_batch_rows`, sampled) and the
+  tokens/s that gave. The compressed context is stored compressed and reused whole by later requests.
+
+* `steps`: in-process, ms per decode step of 1, 4 and 16 rows of 1k tokens, each row attending its own cache in
+  place (`RowBatch`, what the scheduler runs) against the rows copied into one padded batch (`BatchedCache`): the
+  padding overhead; and of 16 rows held by each quantization scheme against full precision.
+
+The server's /metrics are sampled every 0.25 s (rows in the batch, KV bytes held, preemptions). Everything goes to
+OUT/batching.json, written after each phase; `kvmem.eval.batching_report` makes OUT/report.md and the plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import urllib.error
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from kvmem.errors import KVMemError
+from kvmem.eval.load import (_get, _git_commit, _git_dirty, _now, knowledge_base, load_tokenizer, one_request,
+                             parse_prometheus, question, question_list)
+
+SERVERS = ("kvmem-single", "kvmem-batching", "transformers")
+MEMORY_CONFIGS = {  # name: the request's kvmem options
+    "full": {},
+    "kvzip@0.25": {"method": "kvzip", "keep_ratio": 0.25},
+    "keydiff:kernel_size=33@0.25": {"method": "keydiff:kernel_size=33", "keep_ratio": 0.25},
+    "kivi-4": {"quant": "kivi-4"},
+    "kvzip@0.25+kivi-4": {"method": "kvzip", "keep_ratio": 0.25, "quant": "kivi-4"},
+}
+METRICS_EVERY_S = 0.25
+STEP_SCHEMES = ("kivi-8", "kivi-4", "kivi-2", "kvquant-3", "rotatekv-4")
+
+
+@contextmanager
+def kvmem_server(model: str, args: list[str], log: Path, threads: int) -> Iterator[dict]:
+    from kvmem.serve.local import LocalServer
+
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    with LocalServer(["--threads", str(threads), "--timeout", "900", *args], model, log, 600, env) as server:
+        yield dict(base=server.url, pid=server.pid, command=server.command, model=model)
+
+
+@contextmanager
+def transformers_server(model: str, log: Path, threads: int) -> Iterator[dict]:
+    """`transformers serve` with continuous batching on the same converted model folder kvmem loads, offline."""
+    from kvmem.models import _converted_folder
+    from kvmem.serve.local import free_port
+
+    folder = str(_converted_folder(model))
+    port = free_port()
+    argv = [str(Path(sys.executable).parent / "transformers"), "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--force-model", folder]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
+                        "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise KVMemError(f"transformers serve exited with {proc.returncode}: {log.read_text()[-1500:]}")
+            try:
+                if _get(base + "/health", 2)[0] == 200:
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise KVMemError("transformers serve did not answer /health within 600 s")
+            time.sleep(0.5)
+        yield dict(base=base, pid=proc.pid, command=" ".join(argv), model=folder)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _sample_metrics(base: str, t0: float, samples: list, stop: asyncio.Event) -> None:
+    """kvmem's batch gauges every METRICS_EVERY_S: [t, rows in the batch, KV bytes held, preemptions so far]."""
+    while not stop.is_set():
+        try:
+            m = parse_prometheus((await asyncio.to_thread(_get, base + "/metrics", 2))[1])
+            samples.append([round(time.perf_counter() - t0, 3), m.get("kvmem_batch_rows", 0.0),
+                            m.get("kvmem_kv_bytes_held", 0.0), m.get("kvmem_preemptions", 0.0)])
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), METRICS_EVERY_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def closed_loop(server: dict, system: str, questions: list[str], clients: int, duration_s: float,
+                      max_tokens: int, options: dict, first: int, kvmem_metrics: bool) -> dict:
+    """`clients` loops for `duration_s`, each sending its next request when the last ended; times from t0."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{server['base']}/v1", api_key="x", max_retries=0, timeout=1800)
+    records, samples, stop = [], [], asyncio.Event()
+    seq = iter(range(first, 10**9))
+    t0 = time.perf_counter()
+    sampler = asyncio.create_task(_sample_metrics(server["base"], t0, samples, stop)) if kvmem_metrics else None
+
+    async def loop(client_id: int, end_at: float) -> None:
+        while time.perf_counter() < end_at:
+            k = next(seq)
+            start = time.perf_counter() - t0
+            rec: dict = {}
+            task = asyncio.ensure_future(one_request(client, server["model"], system, question(k, questions),
+                                                     max_tokens, options, token_times=True, until=end_at, rec=rec))
+            done, _ = await asyncio.wait({task}, timeout=max(end_at - time.perf_counter(), 0) + 0.5)
+            if not done:  # still waiting for a chunk at the end of the run: cut, with what arrived
+                task.cancel()
+                rec |= dict(status="cut", completion_tokens=len(rec.get("chunk_s", [])),
+                            latency_s=time.perf_counter() - t0 - start)
+            records.append(dict(seq=k, client=client_id, t_start_s=round(start, 4),
+                                t_end_s=round(start + rec["latency_s"], 4), **rec))
+            if rec["status"] not in ("ok", "cut"):
+                await asyncio.sleep(1.0)
+
+    try:
+        await asyncio.gather(*(loop(i, t0 + duration_s) for i in range(clients)))
+        await asyncio.sleep(0.5)  # cut requests: let the server see their clients go
+    finally:
+        stop.set()
+        if sampler:
+            await sampler
+        await client.close()
+    return dict(clients=clients, duration_s=duration_s, t_stop_s=round(time.perf_counter() - t0, 4),
+                requests=records, metrics=samples)
+
+
+def _warm(server: dict, system: str, max_tokens: int, options: dict, log) -> dict:
+    """One request alone: loads the model's lazy parts and fills the store with the knowledge base."""
+    async def one():
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=f"{server['base']}/v1", api_key="x", max_retries=0, timeout=1800)
+        try:
+            return await one_request(client, server["model"], system, "Which documents are in this knowledge base?",
+                                     max_tokens, options)
+        finally:
+            await client.close()
+
+    rec = asyncio.run(one())
+    log(f"    warm-up: {rec['status']} TTFT {rec['ttft_s'] or float('nan'):.2f} s" +
+        (f" ({rec['error']})" if rec["error"] else ""))
+    if rec["status"] != "ok":
+        raise KVMemError(f"the warm-up request failed: {rec['error']}")
+    return rec
+
+
+def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[int, ...] = (1024, 4096),
+                       concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32), duration_s: float = 60,
+                       max_tokens: int = 64, threads: int = 2, servers: tuple[str, ...] = SERVERS,
+                       memory_budget: str = "256MiB", memory_clients: int = 16, memory_duration_s: float = 120,
+                       memory_configs: tuple[str, ...] = tuple(MEMORY_CONFIGS), phases: tuple[str, ...] = ("sweep", "memory", "steps"),
+                       command: str | None = None, log=print) -> Path:
+    from kvmem.eval.batching_report import write_report
+
+    if unknown := set(servers) - set(SERVERS):
+        raise KVMemError(f"unknown server(s) {sorted(unknown)}; choose from {', '.join(SERVERS)}")
+    if unknown := set(memory_configs) - set(MEMORY_CONFIGS):
+        raise KVMemError(f"unknown cache configuration(s) {sorted(unknown)}; choose from {', '.join(MEMORY_CONFIGS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "batching.json"
+    data = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    tokenizer = load_tokenizer(model)
+    data["config"] = dict(model=model, threads=threads, max_tokens=max_tokens, cpus=os.cpu_count(),
+                          machine=platform.machine(), commit=_git_commit(), dirty=_git_dirty(), command=command)
+
+    def save():
+        path.write_text(json.dumps(data, indent=1))
+
+    options = {"ignore_eos": True}
+    if "sweep" in phases:
+        for length in lengths:
+            system, n_system, n_docs = knowledge_base(tokenizer, length)
+            questions = question_list(n_docs)
+            for kind in servers:
+                log(f"sweep: {kind}, knowledge base of {n_system} tokens")
+                opts = options | ({"use_store": True, "fill_store": True} if kind != "transformers" else {})
+                with _server(kind, model, out / f"server-{kind}-{length}.log", threads) as server:
+                    _warm(server, system, 4, opts, log)
+                    first = 0
+                    for c in concurrencies:
+                        run = asyncio.run(closed_loop(server, system, questions, c, duration_s, max_tokens, opts, first,
+                                                      kind != "transformers"))
+                        first += len(run["requests"])
+                        ok = [r for r in run["requests"] if r["status"] == "ok"]
+                        log(f"  {c:>2} clients: {len(ok)} ok of {len(run['requests'])}, "
+                            f"{sum(r['completion_tokens'] for r in ok) / duration_s:.1f} tokens/s")
+                        data["runs"] = [r for r in data["runs"] if not (r["phase"] == "sweep" and r["server"] == kind and
+                                                                        r["length"] == length and r["clients"] == c)]
+                        data["runs"].append(dict(phase="sweep", server=kind, length=length, prompt_tokens=n_system,
+                                                 command=server["command"], when=_now(), **run))
+                        save()
+    if "memory" in phases:
+        system, n_system, n_docs = knowledge_base(tokenizer, 4096)
+        questions = question_list(n_docs)
+        for name in memory_configs:
+            log(f"memory: {name}, --kv-budget {memory_budget}, {memory_clients} clients")
+            opts = options | MEMORY_CONFIGS[name] | {"use_store": True, "fill_store": True}
+            args = ["--kv-budget", memory_budget, "--store", "memory", "--queue", str(4 * memory_clients)]
+            with kvmem_server(model, args, out / f"server-memory-{name}.log", threads) as server:
+                _warm(server, system, 4, opts, log)
+                run = asyncio.run(closed_loop(server, system, questions, memory_clients, memory_duration_s, max_tokens,
+                                              opts, 0, True))
+            ok = [r for r in run["requests"] if r["status"] == "ok"]
+            log(f"  {len(ok)} ok of {len(run['requests'])}, "
+                f"{sum(r['completion_tokens'] for r in ok) / memory_duration_s:.1f} tokens/s")
+            data["runs"] = [r for r in data["runs"] if not (r["phase"] == "memory" and r["config"] == name)]
+            data["runs"].append(dict(phase="memory", server="kvmem-batching", config=name, options=opts,
+                                     budget=memory_budget, length=4096, prompt_tokens=n_system, command=server["command"],
+                                     when=_now(), **run))
+            save()
+    if "steps" in phases:
+        log("steps: a decode step in-process, packed vs padded rows, and per quantization scheme")
+        data["steps"] = step_times(model, threads, log=log) | dict(when=_now())
+        save()
+    return write_report(out)
+
+
+def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ...] = (1, 4, 16),
+               schemes: tuple[str, ...] = STEP_SCHEMES, steps: int = 8, log=print) -> dict:
+    """In-process, one model: ms per decode step of a batch of `rows` sequences of `length` tokens (a) with every row
+    attending its own cache in place (`RowBatch`, what the scheduler runs) against the same rows copied into one
+    padded batch (`BatchedCache`); (b) with every row's cache held by each quantization scheme, against full
+    precision. Rows are clones of one prefill; the order of the variants alternates over two rounds."""
+    import torch
+
+    from kvmem.batch import BatchedCache, RowBatch
+    from kvmem.cache import KVCache
+    from kvmem.generate import feed, step
+    from kvmem.models import load_model
+    from kvmem.quant import get_scheme
+
+    torch.set_num_threads(threads)
+    lm = load_model(model)
+    base = KVCache(lm.model.config, observe_window=0)
+    feed(lm, base, torch.randint(0, lm.tokenizer.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist())
+
+    def packed(caches):
+        batch = RowBatch(lm.model.config, caches)
+        return lambda: step(lm, batch, [[5]] * len(caches))
+
+    def padded(caches):
+        batch, position = BatchedCache(caches), [base.get_seq_length()]
+
+        def one():
+            ids = torch.full((len(caches), 1), 5)
+            lm.model(input_ids=ids, cache=batch, position_ids=torch.full((len(caches), 1), position[0]), use_cache=True,
+                     logits_to_keep=1)
+            position[0] += 1
+        return one
+
+    def timed(fn) -> float:
+        fn()  # the first step allocates
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t) / steps * 1000
+
+    out: dict = dict(length=length, steps=steps, threads=threads, padding=[], quant=[])
+    for round_ in range(2):
+        for b in rows:
+            for kind, make in (("packed", packed), ("padded", padded))[::1 if round_ == 0 else -1]:
+                ms = timed(make([base.clone() for _ in range(b)]))
+                out["padding"].append(dict(rows=b, kind=kind, round=round_, ms=ms))
+                log(f"  {b:>2} rows, {kind}: {ms:.1f} ms a step")
+        for spec in (("full",) + schemes)[::1 if round_ == 0 else -1]:
+            caches = [base.clone() for _ in range(rows[-1])]
+            if spec != "full":
+                scheme = get_scheme(spec, lm)
+                caches = [c.quantize(scheme) for c in caches]
+            kv = sum(c.kv_bytes() for c in caches)
+            ms = timed(packed(caches))
+            out["quant"].append(dict(rows=rows[-1], scheme=spec, round=round_, ms=ms, kv_bytes=kv))
+            log(f"  {rows[-1]} rows, {spec}: {ms:.1f} ms a step, {kv / 2**20:.0f} MiB of KV")
+    return out
+
+
+@contextmanager
+def _server(kind: str, model: str, log: Path, threads: int) -> Iterator[dict]:
+    if kind == "transformers":
+        with transformers_server(model, log, threads) as s:
+            yield s
+        return
+    args = ["--store", "memory", "--queue", "64"]
+    args += ["--no-batching", "--workers", "1"] if kind == "kvmem-single" else ["--kv-budget", "0.25"]
+    with kvmem_server(model, args, log, threads) as s:
+        yield s

@@ -1,0 +1,154 @@
+"""Continuous batching's cache (`kvmem.batch.RowBatch`) and preemption's swap format (`kvmem.store.swap`): rows that
+join and leave at any step, each at its own position with its own method, quantization and ragged heads, decode
+as they would alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvmem.batch import RowBatch
+from kvmem.cache import KVCache
+from kvmem.compress import ModelContext, compress, get_method
+from kvmem.errors import KVMemError
+from kvmem.generate import decode, feed, new_cache, step
+from kvmem.prompts import build_prompt
+from kvmem.store.chunk import CorruptChunk
+from kvmem.store.swap import pack_cache, unpack_cache
+
+# (method, keep ratio, quantization): full, evicted, ragged (adaptive / pyramid budgets), rows standing for several
+# tokens (razor), quantized, and evicted + quantized
+MIXED = [("full", 1.0, None), ("snapkv", 0.5, None), ("h2o:budget=adaptive", 0.25, None), ("full", 1.0, "kivi-4"),
+         ("keydiff:budget=pyramid", 0.25, "kivi-2"), ("streaming-llm:budget=razor", 0.25, None)]
+
+
+def prepared(lm, prompt, spec: str, ratio: float, quant: str | None):
+    m = get_method(spec)
+    cache = new_cache(lm, m, quant)
+    feed(lm, cache, prompt.context)
+    if ratio < 1:
+        compress(cache, m, ratio, context=ModelContext(lm, prompt.context, prompt.head))
+    cache.drop_observations()
+    return cache, feed(lm, cache, prompt.question)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_rows_that_join_and_leave_decode_as_they_would_alone(name, request):
+    """Six differently compressed and quantized caches of prompts of different lengths join a running batch one
+    step apart and leave when done: every row's greedy tokens are those it decodes alone."""
+    lm = request.getfixturevalue(name)
+    text = open(__file__).read()
+    prompts = [build_prompt(lm.tokenizer, text[:900 + 400 * i] + f"\nThe secret word is {w}.", "What is the secret word?")
+               for i, w in enumerate(["tangerine", "violet", "copper", "harbour", "lantern", "meadow"])]
+    n = 12
+    alone = []
+    for p, spec in zip(prompts, MIXED):
+        cache, logits = prepared(lm, p, *spec)
+        alone.append(decode(lm, cache, logits, n, stop_at_newline=False))
+    rows = [prepared(lm, p, *spec) for p, spec in zip(prompts, MIXED)]
+    batch, outs = RowBatch(lm.model.config), [[] for _ in rows]
+    for t in range(n + len(rows)):
+        if t < len(rows):  # one row joins per step, with the first token of its own prefill
+            batch.join(rows[t][0])
+            outs[t].append(int(rows[t][1].argmax()))
+        for i, (cache, _) in enumerate(rows):
+            if len(outs[i]) == n and any(c is cache for c in batch.caches):
+                batch.leave(cache)
+        if not len(batch):
+            break
+        order = [next(i for i, (c, _) in enumerate(rows) if c is x) for x in batch.caches]
+        logits = step(lm, batch, [[outs[i][-1]] for i in order])
+        for row, i in enumerate(order):
+            outs[i].append(int(logits[row].argmax()))
+    for a, b, spec in zip(alone, outs, MIXED):
+        assert b[:len(a)] == a, spec  # `decode` stops at an end token; the batch here decodes n regardless
+
+
+class Tiny:
+    """What `step` needs of a LoadedModel, for a tiny random model."""
+
+    def __init__(self, model):
+        self.model, self.name, self.max_context = model, "tiny", 512
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_gemma"])
+def test_random_join_and_leave_schedules_never_mix_rows(kind, data, request):
+    """Any schedule of joins and leaves: each row's logits in the batch are the logits it gets fed alone (a clone of
+    its cache fed the same tokens), so no row reads another's keys, values, positions or mask."""
+    model = request.getfixturevalue(kind)
+    lm = Tiny(model)
+    batch, twins, live = RowBatch(model.config), [], []
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    for _ in range(data.draw(st.integers(3, 8))):
+        if not live or data.draw(st.booleans()):  # a new row joins, prefilled to its own length and compressed
+            cache = KVCache(model.config, observe_window=8)
+            feed(lm, cache, torch.randint(0, 128, (data.draw(st.integers(4, 40)),), generator=gen).tolist())
+            spec = data.draw(st.sampled_from(["full", "knorm", "knorm:budget=adaptive", "streaming-llm"]))
+            if spec != "full":
+                compress(cache, get_method(spec), data.draw(st.sampled_from([0.75, 0.5, 0.25])))
+            cache.drop_observations()
+            batch.join(cache)
+            live.append(cache)
+            twins.append(cache.clone())
+        if len(live) > 1 and data.draw(st.booleans()):  # one leaves
+            gone = data.draw(st.integers(0, len(live) - 1))
+            batch.leave(live.pop(gone))
+            twins.pop(gone)
+        q = data.draw(st.integers(1, 3))  # a step may feed several tokens per row (a question)
+        tokens = [torch.randint(0, 128, (q,), generator=gen).tolist() for _ in live]
+        together = step(lm, batch, tokens)
+        for row, (twin, ids) in enumerate(zip(twins, tokens)):
+            torch.testing.assert_close(together[row], feed(lm, twin, ids), rtol=1e-4, atol=1e-5)
+        assert batch.next_positions() == [t.get_seq_length() for t in twins]
+
+
+def test_batch_refuses_what_it_cannot_hold(tiny_llama, tiny_gemma):
+    lm = Tiny(tiny_llama)
+    batch = RowBatch(tiny_llama.config)
+    with pytest.raises(KVMemError, match="empty cache"):
+        batch.join(KVCache(tiny_llama.config))
+    with pytest.raises(KVMemError, match="only a kvmem KVCache of this model"):
+        batch.join(KVCache(tiny_gemma.config))
+    cache = KVCache(tiny_llama.config)
+    feed(lm, cache, [1, 2, 3])
+    batch.join(cache)
+    with pytest.raises(KVMemError, match="already a row"):
+        batch.join(cache)
+    with pytest.raises(KVMemError, match="same number of tokens"):
+        step(lm, batch, [[]])
+    with pytest.raises(KVMemError, match="rows of tokens"):
+        step(lm, batch, [[1], [2]])
+    batch.leave(cache)
+    with pytest.raises(KVMemError, match="not a row"):
+        batch.leave(cache)
+
+
+@pytest.mark.parametrize("spec,ratio,quant", [("full", 1.0, None), ("h2o:budget=adaptive", 0.25, None),
+                                              ("streaming-llm:budget=razor", 0.25, None), ("full", 1.0, "kivi-2"),
+                                              ("knorm", 0.5, "kvquant-3")])
+def test_a_swapped_cache_comes_back_bit_for_bit(smollm2, spec, ratio, quant):
+    """Preemption's swap: the rows as held (quantized ones still encoded), positions and weights come back exactly,
+    and decoding goes on with the same logits; a damaged blob or another model's is refused by name."""
+    lm = smollm2
+    p = build_prompt(lm.tokenizer, open(__file__).read()[:1500], "What does this test?")
+    cache, _ = prepared(lm, p, spec, ratio, quant)
+    blob = pack_cache(cache, lm.fingerprint)
+    back = unpack_cache(blob, new_cache(lm, get_method(spec), quant), lm.fingerprint)
+    back.drop_observations()
+    assert back.tokens_held() == cache.tokens_held()
+    assert back.kv_bytes() <= cache.kv_bytes()  # exactly sized: the spare rows a growing buffer keeps are not swapped
+    for a, b in zip(cache.layers, back.layers):
+        assert a.next_position == b.next_position and a.compressed == b.compressed
+        for x, y in zip(a.rows.heads(), b.rows.heads()):
+            assert all(torch.equal(u, v) for u, v in zip(x, y))
+    assert torch.equal(feed(lm, cache, [42]), feed(lm, back, [42]))
+    damaged = bytearray(blob)
+    damaged[-100] ^= 1
+    with pytest.raises(CorruptChunk, match="checksum"):
+        unpack_cache(bytes(damaged), new_cache(lm, get_method(spec), quant), lm.fingerprint)
+    with pytest.raises(KVMemError, match="for model"):
+        unpack_cache(blob, new_cache(lm, get_method(spec), quant), "0" * 64)
