@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 KVMEM  := $(VENV)/bin/kvmem
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve race race-setup clean
+.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve bench-batching race race-setup clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -43,6 +43,7 @@ TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa
 bench: setup
 	$(MAKE) -j2 bench-smollm2 bench-gemma
 	$(MAKE) -j2 bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve
+	$(MAKE) bench-batching
 	$(PY) -c "from kvmem.eval.report import update_readme; update_readme()"
 
 bench-smollm2: setup
@@ -103,6 +104,14 @@ bench-reuse: setup redis
 bench-serve: setup redis
 	$(KVMEM) eval --suite serve --clients 4 --duration 120 --soak 180 --workers 2 --threads 1 --out results/serve
 	$(PY) -c "from kvmem.eval.load_report import update_readme; update_readme()"
+
+# Continuous batching (issue 34): throughput and TTFT / ITL against client concurrency on ~1k and ~4k-token prompts, kvmem
+# without batching, with continuous batching, and transformers serve, side by side on the same model files; then the
+# memory-bound case (a 256 MiB KV budget, 4k prompts, full / kvzip / keydiff / kivi-4 / kvzip + kivi-4); then a decode
+# step in-process (packed vs padded rows, quantized rows). Alone on the machine: about 45 minutes.
+bench-batching: setup
+	$(KVMEM) eval --suite batching --parts sweep,memory,steps --lengths 1024,4096 --concurrency 1,4,16,32 --duration 40 --threads 2 --out results/batching
+	$(PY) -c "from kvmem.eval.batching_report import update_readme; update_readme()"
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first samples a task that

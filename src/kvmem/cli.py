@@ -241,7 +241,7 @@ def eval_(
         from kvmem.eval.batching import MEMORY_CONFIGS, SERVERS, run_batching_suite
 
         report = run_batching_suite(out or Path("results/batching"), _csv(models)[0], tuple(_csv(lengths, int)),
-                                    tuple(_csv(concurrency, int)), duration, threads=threads or 2,
+                                    tuple(_csv(concurrency, int)), duration, max_tokens=128, threads=threads or 2,
                                     servers=tuple(_csv(servers)) if servers else SERVERS, memory_budget=kv_budget,
                                     memory_configs=tuple(_csv(methods)) if methods else tuple(MEMORY_CONFIGS),
                                     phases=tuple(p for p in _csv(parts) if p in ("sweep", "memory", "steps")) or ("sweep", "memory", "steps"),

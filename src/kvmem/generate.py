@@ -226,7 +226,7 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
             quant: str | None = None, store=None, interrupt=None) -> Prepared:
     """Prefill `prompt` into a new cache and compress its context with `method` (`answer` without the decoding;
     the server decodes with its own sampling). A prompt whose context is the template head alone has nothing to
-    compress: it is read as it is. With `interrupt` (the server's cancelled requests), the prefill runs in pieces
+    compress: it is read as it is. The cache comes back without scorer observations (none is planned after this). With `interrupt` (the server's cancelled requests), the prefill runs in pieces
     and `interrupt()` is called before each; it raises to stop."""
     m = get_method(method)
     ctx, q = prompt.context, prompt.question
@@ -235,9 +235,11 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
     if store is not None:
         logits, full_bytes, kept, report = _prefill_with_store(lm, cache, m, keep_ratio, query_aware, quant, prompt, store,
                                                                has_document, interrupt)
+        cache.drop_observations()  # no scorer runs again: decoding records nothing (it cost a third of a batched step)
         return Prepared(cache, logits, full_bytes, kept, report)
     if not has_document:
         logits = feed_pieces(lm, cache, ctx + q, interrupt)
+        cache.drop_observations()
         return Prepared(cache, logits, cache.kv_bytes(), cache.kv_bytes())
     feed_pieces(lm, cache, ctx + q[:-1] if query_aware else ctx, interrupt)
     full_bytes = cache.kv_bytes()

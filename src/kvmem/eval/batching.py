@@ -16,9 +16,9 @@ with `ignore_eos`, so every request decodes exactly `max_tokens`:
   kivi-4, kvzip@0.25 + kivi-4): how many sequences ran at once (the server's `kvmem_batch_rows`, sampled) and the
   tokens/s that gave. The compressed context is stored compressed and reused whole by later requests.
 
-* `steps`: in-process, ms per decode step of 1, 4 and 16 rows of 1k tokens, each row attending its own cache in
-  place (`RowBatch`, what the scheduler runs) against the rows copied into one padded batch (`BatchedCache`): the
-  padding overhead; and of 16 rows held by each quantization scheme against full precision.
+* `steps`: in-process, ms per decode step of 1, 4 and 16 rows of 1k tokens (equal lengths, and four different
+  lengths), each row attending its own cache in place (`RowBatch`, what the scheduler runs) against the rows copied
+  into one padded batch (`BatchedCache`): the padding overhead; and of 16 rows held by each quantization scheme against full precision.
 
 The server's /metrics are sampled every 0.25 s (rows in the batch, KV bytes held, preemptions). Everything goes to
 OUT/batching.json, written after each phase; `kvmem.eval.batching_report` makes OUT/report.md and the plots.
@@ -69,12 +69,23 @@ def transformers_server(model: str, log: Path, threads: int) -> Iterator[dict]:
     from kvmem.models import _converted_folder
     from kvmem.serve.local import free_port
 
+    from transformers import AutoConfig
+
     folder = str(_converted_folder(model))
     port = free_port()
+    # its KV pool sized like kvmem's default budget (a quarter of RAM; its own default is 60 %), pages of 32 tokens
+    # (prefix sharing is by whole pages: with its default 256 a shorter prefix is never shared) and prefill chunks
+    # of 512 tokens like kvmem's pieces (its default batches up to 8192 tokens into one forward)
+    text = AutoConfig.from_pretrained(folder).get_text_config()
+    per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * getattr(
+        text, "head_dim", text.hidden_size // text.num_attention_heads) * 4
+    blocks = int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (32 * per_token))
     argv = [str(Path(sys.executable).parent / "transformers"), "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--force-model", folder]
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
-                        "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+            "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--attn-implementation", "sdpa",
+            "--cb-block-size", "32", "--cb-num-blocks", str(blocks), "--cb-max-batch-tokens", "512",
+            "--log-level", "warning", folder]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+                        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -91,7 +102,10 @@ def transformers_server(model: str, log: Path, threads: int) -> Iterator[dict]:
             if time.monotonic() > deadline:
                 raise KVMemError("transformers serve did not answer /health within 600 s")
             time.sleep(0.5)
-        yield dict(base=base, pid=proc.pid, command=" ".join(argv), model=folder)
+        # eos_token_id -1 (no token has it) is how its generate runs to max_tokens (kvmem's ignore_eos); it honours
+        # neither min_new_tokens nor ignore_eos there
+        yield dict(base=base, pid=proc.pid, command=" ".join(argv), model=folder,
+                   extra_body={"generation_config": json.dumps({"eos_token_id": -1})})
     finally:
         proc.terminate()
         try:
@@ -133,7 +147,8 @@ async def closed_loop(server: dict, system: str, questions: list[str], clients: 
             start = time.perf_counter() - t0
             rec: dict = {}
             task = asyncio.ensure_future(one_request(client, server["model"], system, question(k, questions),
-                                                     max_tokens, options, token_times=True, until=end_at, rec=rec))
+                                                     max_tokens, options, token_times=True, until=end_at, rec=rec,
+                                                     extra_body=server.get("extra_body")))
             done, _ = await asyncio.wait({task}, timeout=max(end_at - time.perf_counter(), 0) + 0.5)
             if not done:  # still waiting for a chunk at the end of the run: cut, with what arrived
                 task.cancel()
@@ -164,7 +179,7 @@ def _warm(server: dict, system: str, max_tokens: int, options: dict, log) -> dic
         client = AsyncOpenAI(base_url=f"{server['base']}/v1", api_key="x", max_retries=0, timeout=1800)
         try:
             return await one_request(client, server["model"], system, "Which documents are in this knowledge base?",
-                                     max_tokens, options)
+                                     max_tokens, options, extra_body=server.get("extra_body"))
         finally:
             await client.close()
 
@@ -252,12 +267,14 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
                schemes: tuple[str, ...] = STEP_SCHEMES, steps: int = 8, log=print) -> dict:
     """In-process, one model: ms per decode step of a batch of `rows` sequences of `length` tokens (a) with every row
     attending its own cache in place (`RowBatch`, what the scheduler runs) against the same rows copied into one
-    padded batch (`BatchedCache`); (b) with every row's cache held by each quantization scheme, against full
+    padded batch (`BatchedCache`), rows of equal lengths and of four lengths (1, 1/2, 1/4, 1/8 of the tokens, by
+    streaming-llm; one position, which `BatchedCache` needs); (b) with every row's cache held by each quantization scheme, against full
     precision. Rows are clones of one prefill; the order of the variants alternates over two rounds."""
     import torch
 
     from kvmem.batch import BatchedCache, RowBatch
     from kvmem.cache import KVCache
+    from kvmem.compress import compress, get_method
     from kvmem.generate import feed, step
     from kvmem.models import load_model
     from kvmem.quant import get_scheme
@@ -288,13 +305,26 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
             fn()
         return (time.perf_counter() - t) / steps * 1000
 
+    def ragged(b: int) -> list:
+        """b rows of different lengths at one position: streaming-llm at keep ratios 1, 1/2, 1/4, 1/8 in turn."""
+        out = []
+        for i in range(b):
+            c = base.clone()
+            if i % 4:
+                compress(c, get_method("streaming-llm"), 0.5 ** (i % 4))
+            out.append(c)
+        return out
+
     out: dict = dict(length=length, steps=steps, threads=threads, padding=[], quant=[])
     for round_ in range(2):
         for b in rows:
-            for kind, make in (("packed", packed), ("padded", padded))[::1 if round_ == 0 else -1]:
-                ms = timed(make([base.clone() for _ in range(b)]))
-                out["padding"].append(dict(rows=b, kind=kind, round=round_, ms=ms))
-                log(f"  {b:>2} rows, {kind}: {ms:.1f} ms a step")
+            for lengths in ("equal", "ragged"):
+                for kind, make in (("packed", packed), ("padded", padded))[::1 if round_ == 0 else -1]:
+                    caches = ragged(b) if lengths == "ragged" else [base.clone() for _ in range(b)]
+                    ms = timed(make(caches))
+                    out["padding"].append(dict(rows=b, lengths=lengths, kind=kind, round=round_, ms=ms,
+                                               tokens=[c.layers[0].lengths()[0] for c in caches]))
+                    log(f"  {b:>2} rows ({lengths} lengths), {kind}: {ms:.1f} ms a step")
         for spec in (("full",) + schemes)[::1 if round_ == 0 else -1]:
             caches = [base.clone() for _ in range(rows[-1])]
             if spec != "full":

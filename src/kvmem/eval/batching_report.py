@@ -53,10 +53,11 @@ def throughput(run: dict, seed: int = 0) -> tuple[float, float, float]:
 def throughput_ratio(a: dict, b: dict, seed: int = 0) -> tuple[float, float, float]:
     wa, wb = window_tokens(a), window_tokens(b)
     rng = np.random.default_rng(seed)
-    reps = (wa[rng.integers(0, wa.size, (N_BOOT, wa.size))].mean(axis=1) /
-            np.maximum(wb[rng.integers(0, wb.size, (N_BOOT, wb.size))].mean(axis=1), 1e-9))
-    lo, hi = np.quantile(reps, [0.025, 0.975])
-    return float(wa.mean() / max(wb.mean(), 1e-9)), float(lo), float(hi)
+    with np.errstate(divide="ignore", invalid="ignore"):  # resamples of the other run's windows may stream nothing: inf
+        reps = (wa[rng.integers(0, wa.size, (N_BOOT, wa.size))].mean(axis=1) /
+                wb[rng.integers(0, wb.size, (N_BOOT, wb.size))].mean(axis=1))
+    lo, hi = np.quantile(np.nan_to_num(reps, nan=np.inf, posinf=np.inf), [0.025, 0.975], method="nearest")
+    return float(wa.mean() / wb.mean()) if wb.mean() else math.inf, float(lo), float(hi)
 
 
 def summary(run: dict) -> dict:
@@ -65,14 +66,16 @@ def summary(run: dict) -> dict:
     streamed = [r for r in run["requests"] if r["status"] in ("ok", "cut") and r.get("ttft_s") is not None]
     itl = [b - a for r in streamed for a, b in zip(r.get("chunk_s", []), r.get("chunk_s", [])[1:])]
     rows = [m[1] for m in run.get("metrics", []) if m[1] > 0]
+    metrics = run.get("metrics", [])
     return dict(tokens_s=throughput(run), requests_s=len(done) / run["duration_s"], ok=len(ok), n=len(run["requests"]),
-                errors=sum(r["status"] == "error" for r in run["requests"]), refused=sum(r["status"] == "429" for r in run["requests"]),
-                ttft=bootstrap_median([r["ttft_s"] for r in streamed]), ttft_p95=percentile([r["ttft_s"] for r in streamed], 95),
+                errors=sum(r["status"] == "error" for r in run["requests"]),
                 unserved=sum(r["status"] == "cut" and r.get("ttft_s") is None for r in run["requests"]),
-                itl=bootstrap_median(itl), itl_p95=percentile(itl, 95), cached=np.mean([r["cached_tokens"] or 0 for r in ok]) if ok else math.nan,
+                ttft=bootstrap_median([r["ttft_s"] for r in streamed]),
+                ttft_p95=percentile([r["ttft_s"] for r in streamed], 95),
+                itl=bootstrap_median(itl), itl_p95=percentile(itl, 95),
+                cached=np.mean([r["cached_tokens"] or 0 for r in ok]) if ok else math.nan,
                 rows_mean=float(np.mean(rows)) if rows else math.nan, rows_max=max(rows) if rows else math.nan,
-                preemptions=max((m[3] for m in run.get("metrics", [])), default=0.0),
-                kv_max=max((m[2] for m in run.get("metrics", [])), default=math.nan))
+                preemptions=max((m[3] for m in metrics), default=0.0), kv_max=max((m[2] for m in metrics), default=math.nan))
 
 
 def _f(x: float, digits: int = 1) -> str:
@@ -93,7 +96,8 @@ def sweep_table(runs: list[dict]) -> list[str]:
         lines.append(f"| {r['prompt_tokens']} | {LABELS[r['server']]} | {r['clients']} | {_ci(s['tokens_s'])} | "
                      f"{s['requests_s']:.2f} | {_ci(s['ttft'], 2)} | {s['ttft_p95']:.2f} | {_ci(itl, 0)} | "
                      f"{s['itl_p95'] * 1000:.0f} | {_f(s['rows_mean'])} | "
-                     f"{s['cached']:.0f} | {s['ok']} / {s['unserved']} / {s['errors']} |")
+                     f"{'not reported' if r['server'] == 'transformers' else _f(s['cached'], 0)} | "
+                     f"{s['ok']} / {s['unserved']} / {s['errors']} |")
     return lines
 
 
@@ -117,31 +121,74 @@ def sweep_targets(runs: list[dict], clients: int = 16) -> list[str]:
     return out
 
 
-def memory_table(runs: list[dict]) -> list[str]:
+def memory_targets(runs: list[dict]) -> list[str]:
+    """Against the full cache under the same budget: >= 4x the sequences at once (mean rows) and >= 3x tokens/s."""
+    full = next((r for r in runs if r["config"] == "full"), None)
+    if full is None:
+        return []
+    base = summary(full)
+    out = []
+    for r in runs:
+        if r is full:
+            continue
+        s = summary(r)
+        rows = s["rows_mean"] / base["rows_mean"]
+        tp = throughput_ratio(r, full)
+        tp_verdict = "met" if tp[1] >= 3 else ("not met" if tp[2] < 3 else "not shown")
+        out.append(f"- {r['config']}: {rows:.1f}x the sequences at once ({s['rows_mean']:.1f} vs {base['rows_mean']:.1f}; goal "
+                   f">= 4x: {'met' if rows >= 4 else 'not met'}), {_ci(tp, 2)}x the output tokens/s (goal >= 3x: {tp_verdict})")
+    return out
+
+
+def suite_score(options: dict, model: str, length: int = 4096, results: Path = Path("results")) -> str:
+    """The long-context score at `length` (agnostic, mean over the usable tasks) of a request's cache options, from
+    the committed suites: results/longctx for a method alone, results/quant for a quantized cell; else says so."""
+    method, ratio, quant = options.get("method", "full"), float(options.get("keep_ratio", 1.0)), options.get("quant")
+    if quant:
+        cell = quant if method == "full" else f"{method}@{ratio:g} + {quant}"
+        path = results / "quant" / "results.json"
+        rows = json.loads(path.read_text())["tasks"] if path.exists() else []
+        hit = next((r for r in rows if r["model"] == model and r["length"] == length and r["cell"] == cell), None)
+        if hit is None:
+            return "not measured at this length"
+        return f"{_ci(tuple(hit['score']), 2)} vs full {hit['full_score']:.2f} (n={hit['n']}, the quant suite's tasks)"
+    path = results / "longctx" / "results.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    hit = next((r for r in rows if r["model"] == model and r["length"] == length and r["setting"] == "agnostic" and
+                r["task"] == "mean" and r["method"] == method and r["keep_ratio"] == ratio), None)
+    if hit is None:
+        return "not measured at this length"
+    return f"{_ci((hit['score'], hit['lo'], hit['hi']), 2)} (n={hit['n']})"
+
+
+def memory_table(runs: list[dict], model: str) -> list[str]:
     lines = ["| cache | budget | mean / max rows decoding at once | output tokens/s [95% CI] | TTFT p50 s [95% CI] | "
-             "ITL p50 ms [95% CI] | preemptions | peak KV held MiB | finished / no token by the end / errors |", "|---|---|---|---|---|---|---|---|---|"]
+             "ITL p50 ms [95% CI] | preemptions | peak KV held MiB | finished / no token by the end / errors | "
+             "long-context score at 4k (committed suites) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = summary(r)
         itl = tuple(x * 1000 for x in s["itl"])
         lines.append(f"| {r['config']} | {r['budget']} | {s['rows_mean']:.1f} / {s['rows_max']:.0f} | {_ci(s['tokens_s'])} | "
                      f"{_ci(s['ttft'], 2)} | {_ci(itl, 0)} | {s['preemptions']:.0f} | {s['kv_max'] / 2**20:.0f} | "
-                     f"{s['ok']} / {s['unserved']} / {s['errors']} |")
+                     f"{s['ok']} / {s['unserved']} / {s['errors']} | {suite_score(r['options'], model)} |")
     return lines
 
 
 def steps_tables(steps: dict) -> list[str]:
     """Packed vs padded decode steps, and quantized rows in the batch (means of the two alternated rounds)."""
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    pad = {}
+    pad, held = {}, {}
     for r in steps["padding"]:
-        pad.setdefault((r["rows"], r["kind"]), []).append(r["ms"])
-    lines = [f"Rows of {steps['length']} tokens, one prefill cloned, {steps['steps']} steps a variant, two rounds in "
-             "alternated order, in one process.", "",
-             "| rows | each row attends its own cache (ms a step) | rows copied into one padded batch (ms a step) | "
-             "padded / packed |", "|---|---|---|---|"]
-    for b in sorted({k[0] for k in pad}):
-        p, q = mean(pad[(b, "packed")]), mean(pad[(b, "padded")])
-        lines.append(f"| {b} | {p:.1f} | {q:.1f} | {q / p:.2f}x |")
+        pad.setdefault((r["rows"], r["lengths"], r["kind"]), []).append(r["ms"])
+        held[(r["rows"], r["lengths"])] = r["tokens"]
+    lines = [f"One prefill of {steps['length']} tokens cloned into every row ({steps['steps']} steps a variant, two "
+             "rounds in alternated order, one process); ragged rows keep 1, 1/2, 1/4, 1/8 of it in turn (streaming-llm).",
+             "", "| rows | tokens held per row | each row attends its own cache (ms a step) | rows copied into one padded "
+             "batch (ms a step) | padded / packed |", "|---|---|---|---|---|"]
+    for b, lengths in sorted({k[:2] for k in pad}):
+        p, q = mean(pad[(b, lengths, "packed")]), mean(pad[(b, lengths, "padded")])
+        tokens = sorted(set(held[(b, lengths)]))
+        lines.append(f"| {b} | {lengths}: {', '.join(map(str, tokens))} | {p:.1f} | {q:.1f} | {q / p:.2f}x |")
     quant = {}
     for r in steps["quant"]:
         quant.setdefault(r["scheme"], []).append(r)
@@ -199,9 +246,27 @@ def write_report(out: Path) -> Path:
         lines += ["## Throughput against concurrency", "", *sweep_targets(sweep), "", *sweep_table(sweep), "",
                   *_plots(runs, out), ""]
     if memory:
-        lines += ["## The memory-bound case: a fixed KV budget", "", *memory_table(memory), ""]
+        lines += ["## The memory-bound case: a fixed KV budget", "", *memory_targets(memory), "",
+                  *memory_table(memory, cfg["model"]), ""]
     if data.get("steps"):
         lines += ["## A decode step: packed rows against padding, and quantized rows", "", *steps_tables(data["steps"]), ""]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     return report
+
+
+def update_readme(results: Path = Path("results/batching"), readme: Path = Path("README.md")) -> None:
+    """The README's batching block: the targets and the memory-bound table, from the committed results."""
+    from kvmem.eval.readme import replace_block
+
+    data = json.loads((results / "batching.json").read_text())
+    runs = data["runs"]
+    sweep = [r for r in runs if r["phase"] == "sweep"]
+    memory = [r for r in runs if r["phase"] == "memory"]
+    body = [MARKERS[0], f"**Continuous batching** (issue 34; `make bench-batching`). Full report: "
+            f"[{results}/report.md]({results}/report.md).", ""]
+    body += sweep_targets(sweep)
+    if memory:
+        body += ["", f"Memory-bound: a {memory[0]['budget']} KV budget, {memory[0]['prompt_tokens']}-token prompts, "
+                 f"{memory[0]['clients']} clients:", "", *memory_targets(memory), "", *memory_table(memory, data["config"]["model"])]
+    replace_block(readme, MARKERS, "\n".join(body + ["", MARKERS[1]]))

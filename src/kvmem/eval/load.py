@@ -212,10 +212,12 @@ def serving(model: str, store: str | None, log_path: Path, threads: int = 1, wor
 
 
 async def one_request(client, model: str, system: str, user: str, max_tokens: int, options: dict,
-                      token_times: bool = False, until: float | None = None, rec: dict | None = None) -> dict:
+                      token_times: bool = False, until: float | None = None, rec: dict | None = None,
+                      extra_body: dict | None = None) -> dict:
     """One streaming chat completion, timed (with `token_times`, every content chunk's arrival too, `chunk_s`).
     At `until` (a `time.perf_counter()` instant) the stream is closed, status "cut". Never raises: a failure is the
-    record's status and error. `rec`: the dict to fill (a caller that cancels the request keeps what arrived)."""
+    record's status and error. `rec`: the dict to fill (a caller that cancels the request keeps what arrived).
+    `extra_body` replaces `{"kvmem": options}` (another server's own parameters)."""
     import openai
 
     rec = rec if rec is not None else {}
@@ -227,7 +229,7 @@ async def one_request(client, model: str, system: str, user: str, max_tokens: in
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
             stream=True, stream_options={"include_usage": True}, temperature=0, max_tokens=max_tokens,
-            extra_body={"kvmem": options})
+            extra_body=extra_body if extra_body is not None else {"kvmem": options})
         async for chunk in stream:
             if until is not None and time.perf_counter() > until:
                 rec["status"], rec["completion_tokens"] = "cut", len(rec.get("chunk_s", parts))

@@ -349,6 +349,7 @@ class Scheduler:
         request.emit(Event("error", data={"status": status, "type": kind, "message": message} |
                            ({"code": code} if code else {})))
         request.job.cancel.set()  # its other rows leave at the next turn
+        self.requests.pop(request.job, None)  # an error is a request's last event
         if request in self.queue:
             self.queue.remove(request)
 
