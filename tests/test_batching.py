@@ -152,3 +152,38 @@ def test_a_swapped_cache_comes_back_bit_for_bit(smollm2, spec, ratio, quant):
         unpack_cache(bytes(damaged), new_cache(lm, get_method(spec), quant), lm.fingerprint)
     with pytest.raises(KVMemError, match="for model"):
         unpack_cache(blob, new_cache(lm, get_method(spec), quant), "0" * 64)
+
+
+def test_a_damaged_swap_file_fails_its_request_only(smollm2):
+    """A preempted row whose swapped KV fails verification is not decoded from it: its request gets an error, and
+    the scheduler goes on with the others."""
+    from kvmem.serve.engine import Job, Options, Sampling, Stream
+    from kvmem.serve.scheduler import Request, Row, Scheduler
+
+    lm = smollm2
+    scheduler = Scheduler(lm, kv_budget=2**30)
+    scheduler._stopped = True  # this test drives the scheduler's steps itself: its thread stops first
+    with scheduler._wake:
+        scheduler._wake.notify()
+    scheduler._thread.join()
+    try:
+        p = build_prompt(lm.tokenizer, "The door is red.", "What colour is the door?")
+        events: list = []
+        job = Job(p, Sampling(8, temperature=0), Options())
+        request = Request(job, events.append, 1)
+        scheduler.requests[job] = request
+        cache, logits = prepared(lm, p, "full", 1.0, None)
+        row = Row(job, Stream(lm, job, 0, events.append, 8, set()), cache, 0, 0, 0)
+        row.stream.push(logits)
+        scheduler.batch.join(cache)
+        scheduler.rows.append(row)
+        scheduler._swap_out(row)
+        path = scheduler._swap._path(row.swapped)
+        blob = bytearray(path.read_bytes())
+        blob[-10] ^= 1
+        path.write_bytes(bytes(blob))
+        scheduler._resume()
+        assert not scheduler.rows and not scheduler.swapped and job not in scheduler.requests
+        assert events[-1].kind == "error" and "could not resume" in events[-1].data["message"]
+    finally:
+        scheduler.close()

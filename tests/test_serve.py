@@ -372,6 +372,10 @@ def test_serve_refuses_bad_settings_before_loading():
     assert r.exit_code == 2 and "keep ratio must be in (0, 1]" in r.output
     r = CliRunner().invoke(app, ["serve", "--method", "nope"])
     assert r.exit_code == 2 and "unknown method" in r.output
+    for args, words in ((["--kv-budget", "lots"], "not a size"), (["--kv-budget", "1.5"], "fraction of memory"),
+                        (["--kv-budget", "0MiB"], "more than 0 bytes"), (["--max-batch", "0"], "--max-batch must be")):
+        r = CliRunner().invoke(app, ["serve", *args])
+        assert r.exit_code == 2 and words in r.output, args
 
 
 def test_gemma_sliding_window_reuse_through_the_server():

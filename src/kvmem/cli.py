@@ -426,6 +426,8 @@ def serve(
     if threads:
         torch.set_num_threads(threads)
     budget = _kv_budget(kv_budget) if batching else None
+    if max_batch < 1 or queue < 0:
+        raise KVMemError(f"--max-batch must be >= 1 and --queue >= 0 (got {max_batch}, {queue})")
     lm = load_model(model)
     app_ = create_app(lm, chunks, Options(method=method, keep_ratio=keep_ratio, quant=quant), workers, queue, timeout,
                       max_tokens, max_n, embed_method, budget, max_batch)
@@ -442,7 +444,10 @@ def _kv_budget(text: str) -> int:
     try:
         fraction = float(text)
     except ValueError:
-        return parse_bytes(text)
+        size = parse_bytes(text)
+        if size <= 0:
+            raise KVMemError(f"--kv-budget {text}: the budget must be more than 0 bytes") from None
+        return size
     if not 0 < fraction <= 1:
         raise KVMemError(f"--kv-budget {text}: a fraction of memory must be in (0, 1], or give a size such as 512MiB")
     return int(fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -235,7 +235,7 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
     if store is not None:
         logits, full_bytes, kept, report = _prefill_with_store(lm, cache, m, keep_ratio, query_aware, quant, prompt, store,
                                                                has_document, interrupt)
-        cache.drop_observations()  # no scorer runs again: decoding records nothing (it cost a third of a batched step)
+        cache.drop_observations()  # no scorer runs again: decoding records nothing (recording slowed every step)
         return Prepared(cache, logits, full_bytes, kept, report)
     if not has_document:
         logits = feed_pieces(lm, cache, ctx + q, interrupt)

@@ -312,7 +312,14 @@ class Scheduler:
             blob = self._swap.get(row.swapped)
             self._swap.delete(row.swapped)
             o = row.job.options
-            cache = unpack_cache(blob, new_cache(self.lm, get_method(o.method), o.quant), self.lm.fingerprint)
+            try:
+                if blob is None:
+                    raise KVMemError("its swap file is gone")
+                cache = unpack_cache(blob, new_cache(self.lm, get_method(o.method), o.quant), self.lm.fingerprint)
+            except KVMemError as e:  # never decode from KV that failed verification: this request fails, not the rest
+                if (request := self.requests.get(row.job)) is not None:
+                    self._fail(request, 500, "server_error", f"a preempted sequence could not resume: {e}")
+                continue
             cache.drop_observations()  # as after its prefill: no scorer runs again
             row.cache, row.swapped, row.kv_bytes = cache, None, cache.kv_bytes()
             self.batch.join(cache)
