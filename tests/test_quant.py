@@ -98,15 +98,18 @@ def test_8_bit_cache_matches_full_precision_and_2_bit_does_not(kind, request):
     assert (q2 - full).abs().max() > 10 * (q8 - full).abs().max()  # the bits are really dropped
 
 
-def test_decode_steps_from_quantized_rows_match_full_precision(tiny_llama):
-    """Decode steps read every head decoded into one buffer (all heads in one pass, or head by head for a
-    scheme without a batched decode: the same rows) through kvmem's GQA attention (no repeat_kv): the same
-    logits as the full-precision cache, up to the codes' error."""
+def test_decode_steps_from_quantized_rows_match_full_precision(tiny_llama, monkeypatch):
+    """Without the decode kernel, decode steps read every head decoded into one buffer (all heads in one pass, or head
+    by head for a scheme without a batched decode: the same rows) through kvmem's GQA attention (no repeat_kv): the
+    same logits as the full-precision cache, up to the codes' error."""
+    from kvmem.cache import KVLayer
     from kvmem.quant.base import Scheme
     from kvmem.quant.kivi import KIVI
 
-    class HeadByHead(KIVI):
-        decode_heads = Scheme.decode_heads
+    monkeypatch.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos: False)
+
+    class HeadByHead(KIVI):  # a scheme that does not join its heads' codes
+        join_heads = Scheme.join_heads
 
     ids = random_ids(60, 7)
     caches = [KVCache(tiny_llama.config), KVCache(tiny_llama.config, quant=KIVI(8, group=8, residual=8)),
@@ -123,6 +126,94 @@ def test_decode_steps_from_quantized_rows_match_full_precision(tiny_llama):
         assert torch.equal(a, b)
     torch.testing.assert_close(logits[1], logits[0], atol=2e-2, rtol=0)
     assert torch.equal(logits[1], logits[2])
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_gemma"])
+def test_ragged_quantized_heads_decode_in_one_pass_as_head_by_head(kind, request, monkeypatch):
+    """Heads of different lengths (adaptive budgets) held quantized, without the decode kernel (a scheme without one, a
+    multi-token forward): a decode step decodes every head onto one row axis
+    and runs one attention call (`flat_attention`), with each query head masked to its KV head's rows (and, on Gemma's
+    sliding layers, to the window). The logits are those of attention head by head, up to float summation order,
+    and the joined codes are held once (the heads' codes are views of them)."""
+    import kvmem.attention as attention
+    from kvmem.cache import KVLayer
+
+    model = request.getfixturevalue(kind)
+    ids = random_ids(90, 8)
+    _, cache = run(model, ids[:, :80], quant="kivi-4:group=8:residual=8", observe_window=32)
+    compress(cache, get_method("snapkv:budget=adaptive"), 0.5)
+    assert any(len(set(layer.lengths())) > 1 for layer in cache.layers)  # ragged
+    reference = cache.clone()
+    calls, one_pass = [], attention.flat_attention
+    monkeypatch.setattr(attention, "flat_attention", lambda *a: calls.append(1) or one_pass(*a))
+    monkeypatch.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos: False)  # PyTorch's path, not the kernel
+    with torch.no_grad():
+        flat = torch.cat([model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(80, 90)], 1)
+        monkeypatch.setattr(KVLayer, "_flat_rows", lambda self, new_pos: None)
+        head_by_head = torch.cat([model(input_ids=ids[:, i:i + 1], cache=reference, use_cache=True).logits
+                                  for i in range(80, 90)], 1)
+    assert calls  # the one-pass path ran
+    torch.testing.assert_close(flat, head_by_head, atol=1e-4, rtol=0)
+    assert cache.kv_bytes() == reference.kv_bytes()
+    for a, b in zip(cache.layers, reference.layers):  # the same rows (new ones up to the float differences above)
+        for (ka, va, pa), (kb, vb, pb) in zip(a.rows.heads(), b.rows.heads()):
+            assert torch.equal(pa, pb)
+            torch.testing.assert_close((ka, va), (kb, vb), atol=1e-3, rtol=0)
+
+
+def test_the_decode_kernel_builds_and_reads_codes_as_they_decode():
+    """The kernel (`kvmem.quant.kernel`, built on first use) against decoding then attending in float32: heads of different
+    lengths, 8/4/3/2-bit keys and values of different widths, residual rows; each query head reads its own KV head."""
+    from kvmem.quant import kernel
+    from kvmem.quant.pack import concat
+
+    assert kernel.available()  # the build must work here: a silent fall back to PyTorch would hide a broken kernel
+    gen = torch.Generator().manual_seed(0)
+    d, g, lengths, residual = 64, 32, [96, 32, 160], [5, 0, 17]
+    for kbits, vbits in [(8, 8), (4, 4), (3, 3), (2, 2), (4, 2)]:
+        keys = [torch.randn(n, d, generator=gen) for n in lengths]
+        values = [torch.randn(n, d, generator=gen) for n in lengths]
+        qk, qv = [quantize(k, kbits, g, dim=0) for k in keys], [quantize(v, vbits, g, dim=1) for v in values]
+        rk, rv = [torch.randn(r, d, generator=gen) for r in residual], [torch.randn(r, d, generator=gen) for r in residual]
+        query = torch.randn(9, d, generator=gen)
+        offsets, res_offsets = (torch.tensor([0, *n]).cumsum(0) for n in (lengths, residual))
+        out = kernel.decode_attention(query, concat(qk, 0), concat(qv, 0), offsets, torch.cat(rk), torch.cat(rv),
+                                      res_offsets, 0.125)
+        want = torch.cat([torch.softmax(query[3 * h:3 * h + 3] @ torch.cat([dequantize(qk[h]), rk[h]]).T * 0.125, -1)
+                          @ torch.cat([dequantize(qv[h]), rv[h]]) for h in range(3)])
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_gemma"])
+@pytest.mark.parametrize("spec", ["kivi-4:group=8:residual=8", "kivi-2:group=8:residual=16", "kivi-3:group=8:residual=8",
+                                  "adaquant-k4v2:group=8:residual=8"])
+def test_decode_steps_read_the_codes_in_place_as_decoded_rows_would(kind, spec, request, monkeypatch):
+    """A quantized layer's decode step reads its codes in the kernel, nothing decoded (dense heads, and heads made
+    ragged by adaptive budgets; Gemma's sliding layers too, where the window needs no mask): the logits of decoding the
+    rows and attending them in PyTorch, up to float summation order."""
+    import kvmem.quant.kernel as kernel
+    from kvmem.cache import KVLayer
+
+    model = request.getfixturevalue(kind)
+    ids = random_ids(84, 9)
+    calls, in_place = [], kernel.decode_attention
+    monkeypatch.setattr(kernel, "decode_attention", lambda *a: calls.append(1) or in_place(*a))
+    for ragged in (False, True):
+        _, cache = run(model, ids[:, :76], quant=spec, observe_window=32)
+        if ragged:
+            compress(cache, get_method("snapkv:budget=adaptive"), 0.5)
+            assert any(len(set(layer.lengths())) > 1 for layer in cache.layers)
+        reference = cache.clone()
+        calls.clear()
+        with torch.no_grad():
+            got = torch.cat([model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(76, 84)], 1)
+            with monkeypatch.context() as m:
+                m.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos: False)
+                want = torch.cat([model(input_ids=ids[:, i:i + 1], cache=reference, use_cache=True).logits
+                                  for i in range(76, 84)], 1)
+        assert len(calls) >= 8  # every step read codes in place (in at least one layer)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert cache.kv_bytes() == reference.kv_bytes()
 
 
 def test_bytes_held_are_the_packed_codes_scales_and_residual(tiny_llama):

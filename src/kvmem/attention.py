@@ -9,6 +9,10 @@ tokens), or none when every query may see every row (a decode step, usually):
 * `kvmem_mask`: dense storage; (1, H, Q, T) bool or additive float, or None.
 * `kvmem_heads`: ragged storage; per KV head (keys, values, mask or None), attended head by head on the
   exact rows, nothing padded.
+* `kvmem_flat`: heads of different lengths decoded onto one row axis (a quantized layer, `QuantizedRows.flat`): keys
+  and values (1, 1, N, D) and which rows each KV head's queries see, (H, Q, N) bool; one attention call.
+* `kvmem_decode`: quantized rows whose scheme reads its codes in place (`QuantizedRows.decode_attention`): a decode
+  step's attention, nothing decoded.
 * `kvmem_layer`: the layer to call back with the queries (observation for the scorers, see `observe.py`).
 * `kvmem_rows`: a `RowBatch` (`batch.py`); per sequence (keys, values, its own kwargs of the above), attended
   sequence by sequence, each on its own rows.
@@ -69,6 +73,8 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     own_mask = "kvmem_mask" in kwargs
     mask = kwargs.pop("kvmem_mask", None)
     heads = kwargs.pop("kvmem_heads", None)  # a layer whose heads hold different numbers of rows
+    flat = kwargs.pop("kvmem_flat", None)  # the same, decoded onto one row axis
+    in_place = kwargs.pop("kvmem_decode", None)  # quantized rows read by their decode kernel
     layer = kwargs.pop("kvmem_layer", None)
     reroute = kwargs.pop("kvmem_reroute", None)  # kv-embedding's prefix slot (kvmem.embed.kv_embedding)
     scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
@@ -78,7 +84,15 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
         if kwargs.get("softcap") is not None:
             raise KVMemError("attention logit soft-capping is not supported with track_attention")
         return layer.observe(query, scaling), None
-    if not own_mask and heads is None:
+    if in_place is not None:
+        if kwargs.get("softcap") is not None:
+            raise KVMemError("attention logit soft-capping is not supported on compressed kvmem layers")
+        out = (in_place.decode_attention(query, scaling), None)
+    elif flat is not None:
+        if kwargs.get("softcap") is not None:
+            raise KVMemError("attention logit soft-capping is not supported on compressed kvmem layers")
+        out = (flat_attention(query, key, value, flat, scaling), None)
+    elif not own_mask and heads is None:
         window = kwargs.get("sliding_window")
         if window and query.shape[0] == 1 and query.shape[2] >= 2 * WINDOW_BLOCK and kwargs.get("softcap") is None \
                 and standard_window_mask(attention_mask, query.shape[2], key.shape[2], window):
@@ -110,6 +124,17 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
         mask = mask[:, :, None].expand(b, hkv, groups, q_len, mask.shape[-1]).reshape(b, hkv, groups * q_len, -1)
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return o.reshape(b, hq, q_len, -1).transpose(1, 2).contiguous()
+
+
+def flat_attention(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, scaling: float) -> Tensor:
+    """SDPA of query heads (1, Hq, Q, D) over every KV head's rows on one axis (1, 1, N, D), each query head seeing
+    the rows its KV head may (allowed: (Hkv, Q, N) bool): one call where heads hold different numbers of rows, instead
+    of one per head. Every query head reads all N rows (masked), which costs little when decoding: the rows are read
+    from memory once either way. Returns (1, Q, Hq, D)."""
+    _, hq, q_len, d = query.shape
+    mask = allowed.repeat_interleave(hq // allowed.shape[0], dim=0).reshape(1, 1, hq * q_len, -1)
+    o = F.scaled_dot_product_attention(query.reshape(1, 1, hq * q_len, d), key, value, attn_mask=mask, scale=scaling)
+    return o.reshape(1, hq, q_len, -1).transpose(1, 2).contiguous()
 
 
 WINDOW_BLOCK = 512  # queries per block of a long sliding-window forward

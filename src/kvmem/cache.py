@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvmem.attention import ATTENTION_NAME, rows_mask, sees_all  # noqa: F401  (importing registers kvmem's attention)
+from kvmem.attention import ATTENTION_NAME, rows_mask, sees_all, visible  # noqa: F401  (importing registers kvmem's attention)
 from kvmem.errors import KVMemError
 from kvmem.observe import Observation
 from kvmem.quant import QuantizedRows, Scheme, get_scheme
@@ -99,7 +99,7 @@ class KVLayer(CacheLayerMixin):
 
     @property
     def head_positions(self) -> list[Tensor]:
-        return [p for _, _, p in self.rows.heads()]
+        return self.rows.positions()
 
     def visible_range(self, next_position: int | None = None) -> range:
         """The positions an uncompressed layer holds for the next token: all, or a sliding layer's last window - 1."""
@@ -207,8 +207,10 @@ class KVLayer(CacheLayerMixin):
             self.log_weights = [torch.cat([w, w.new_zeros(n_new)]) for w in self.log_weights]
         self.next_position = max(self.next_position, int(new_pos.max()) + 1)
         # What attention sees, taken before a sliding layer drops what later tokens cannot see.
-        stacked = self.rows.stacked()
-        if stacked is not None:  # every head equally long: (H, T, D), a view of dense storage (no copy)
+        if self._decodes_in_place(new_pos):  # a quantized decode step: the codes are read where they are, not decoded
+            kwargs["kvmem_decode"] = self.rows
+            keys, values, heads = key_states, value_states, None  # unread: the rows' decode_attention is used
+        elif (stacked := self.rows.stacked()) is not None:  # every head equally long: (H, T, D), a view of dense storage
             keys, values, positions = stacked
             heads = list(zip(keys, values, positions))
             if self.compressed:
@@ -220,6 +222,9 @@ class KVLayer(CacheLayerMixin):
                 # transformers' path to keep), so kvmem's attention reads them without repeat_kv's GQA copy
                 kwargs["kvmem_mask"] = None
             keys, values = keys[None], values[None]
+        elif (flat := self._flat_rows(new_pos)) is not None:  # quantized heads of different lengths, decoded at once
+            keys, values, kwargs["kvmem_flat"] = flat
+            heads = None
         else:  # heads of different lengths: attention runs per KV head on its exact rows (nothing padded)
             heads = self.rows.heads()
             lws = self.log_weights or [None] * len(heads)
@@ -231,8 +236,34 @@ class KVLayer(CacheLayerMixin):
             self._trim_to_window()
         if self.observation.active or self.compressor is not None or self.quant is not None:
             kwargs["kvmem_layer"] = self
-            self.seen = (*map(list, zip(*heads)), new_pos)
+            self.seen = (*(map(list, zip(*heads)) if heads is not None else (None,) * 3), new_pos)
         return keys, values
+
+    def _decodes_in_place(self, new_pos: Tensor) -> bool:
+        """Whether this forward's attention can read the quantized rows in place (`QuantizedRows.decode_attention`):
+        one new token that sees every row, a scheme with a decode kernel, and nothing that needs the rows per head
+        (tracked attention, a compressor, row log-weights)."""
+        if self.quant is None or new_pos.numel() != 1 or self.log_weights is not None or self.compressor is not None \
+                or self.observation.track_attention or not getattr(self.rows, "decodes_in_place", lambda: False)():
+            return False
+        return not self.is_sliding or all(sees_all(p[None], new_pos, self.sliding_window) for p in self.rows.positions())
+
+    def _flat_rows(self, new_pos: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """A quantized layer whose heads hold different numbers of rows, every head decoded in one pass onto one row
+        axis (`QuantizedRows.flat`): keys and values (1, 1, N, D) and which rows each KV head's queries may see
+        (H, Q, N). None where the rows are not quantized or cannot be joined, or where the scorers need the rows per
+        head (tracked attention, a compressor, row log-weights): then attention runs head by head."""
+        if self.quant is None or self.log_weights is not None or self.compressor is not None \
+                or self.observation.track_attention or not hasattr(self.rows, "flat"):
+            return None
+        flat = self.rows.flat()
+        if flat is None:
+            return None
+        keys, values, positions, heads = flat
+        allowed = (heads[None, :] == torch.arange(self.num_heads, dtype=heads.dtype)[:, None])[:, None, :]
+        if not sees_all(positions[None], new_pos, self.sliding_window):
+            allowed = allowed & visible(positions[None], new_pos, self.sliding_window)
+        return keys[None, None], values[None, None], allowed
 
     def _trim_to_window(self) -> None:
         """A sliding layer keeps what the next token can still see: positions > next - window (transformers

@@ -5,7 +5,8 @@ different rows (per-head budgets), so storage is per head. Every storage class k
 
 * `append(keys, values, positions)`: the same new tokens for every head, in place;
 * `keep(indices)`: a new storage holding exactly these rows per head (the old buffers are released);
-* `heads()`: per head, full-precision (keys, values, positions) for attention and scorers;
+* `heads()`: per head, full-precision (keys, values, positions) for attention and scorers (`positions()`: the
+  positions alone, nothing decoded);
 * `stacked()`: the same as (H, T, D) tensors when every head holds T rows (None otherwise), what a
   forward's attention reads;
 * `kv_tensors()` / `position_tensors()`: what is held, for `kvmem.cache.storage_bytes`;
@@ -53,6 +54,10 @@ class Rows:
     def heads(self) -> list[tuple[Tensor, Tensor, Tensor]]:
         raise NotImplementedError
 
+    def positions(self) -> list[Tensor]:
+        """Per head the rows' positions (nothing decoded)."""
+        return [p for _, _, p in self.heads()]
+
     def stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """(H, T, D) keys and values and (H, T) positions when every head holds T rows, else None."""
         if len(set(self.lengths())) != 1:
@@ -91,8 +96,9 @@ class Rows:
 class DenseRows(Rows):
     """All heads equally long: keys and values in one (H, capacity, D) buffer, positions (H, capacity)."""
 
-    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, n: int):
+    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, n: int, grow: int = GROW):
         self.k, self.v, self.p, self.n = keys, values, positions, n
+        self.grow = grow  # free rows added when the buffer fills
 
     def lengths(self) -> list[int]:
         return [self.n] * self.k.shape[0]
@@ -109,7 +115,7 @@ class DenseRows(Rows):
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         q = keys.shape[1]
         if self.n + q > self.k.shape[1]:
-            spare = q + (GROW if self.n else 0)  # a prefill into an empty layer is stored exactly
+            spare = q + (self.grow if self.n else 0)  # a prefill into an empty layer is stored exactly
             k, v, p = self.live()
             self.k = torch.cat([k, k.new_empty((k.shape[0], spare, k.shape[2]))], dim=1)
             self.v = torch.cat([v, v.new_empty((v.shape[0], spare, v.shape[2]))], dim=1)
@@ -127,8 +133,9 @@ class DenseRows(Rows):
 class RaggedRows(Rows):
     """Heads of different lengths: one buffer per head, sized to its rows (plus growth room once decoding)."""
 
-    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: list[Tensor], n: list[int]):
+    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: list[Tensor], n: list[int], grow: int = GROW):
         self.k, self.v, self.p, self.n = keys, values, positions, n
+        self.grow = grow
 
     def lengths(self) -> list[int]:
         return list(self.n)
@@ -140,7 +147,7 @@ class RaggedRows(Rows):
         q = keys.shape[1]
         for h, n in enumerate(self.n):
             if n + q > self.k[h].shape[0]:
-                grow = lambda t: torch.cat([t[:n], t.new_empty((q + GROW, *t.shape[1:]))])  # noqa: E731
+                grow = lambda t: torch.cat([t[:n], t.new_empty((q + self.grow, *t.shape[1:]))])  # noqa: E731
                 self.k[h], self.v[h], self.p[h] = grow(self.k[h]), grow(self.v[h]), grow(self.p[h])
             self.k[h][n:n + q], self.v[h][n:n + q], self.p[h][n:n + q] = keys[h], values[h], positions
             self.n[h] = n + q
@@ -152,18 +159,20 @@ class RaggedRows(Rows):
         return list(self.p)
 
 
-def empty_rows(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, value_dim: int | None = None) -> DenseRows:
+def empty_rows(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, value_dim: int | None = None,
+               grow: int = GROW) -> DenseRows:
     return DenseRows(torch.empty((heads, 0, head_dim), dtype=dtype, device=device),
                      torch.empty((heads, 0, value_dim or head_dim), dtype=dtype, device=device),
-                     torch.empty((heads, 0), dtype=torch.int32, device=device), 0)
+                     torch.empty((heads, 0), dtype=torch.int32, device=device), 0, grow)
 
 
-def store_rows(keys: list[Tensor], values: list[Tensor], positions: list[Tensor]) -> Rows:
-    """Exactly these rows per head: dense if every head holds as many, ragged otherwise."""
+def store_rows(keys: list[Tensor], values: list[Tensor], positions: list[Tensor], grow: int = GROW) -> Rows:
+    """Exactly these rows per head: dense if every head holds as many, ragged otherwise; `grow` free rows are added
+    whenever appends fill the buffers (0: every append reallocates to the exact size)."""
     n = [k.shape[0] for k in keys]
     if len(set(n)) == 1:
-        return DenseRows(torch.stack(keys), torch.stack(values), torch.stack(positions), n[0])
-    return RaggedRows([_own(k) for k in keys], [_own(v) for v in values], [_own(p) for p in positions], n)
+        return DenseRows(torch.stack(keys), torch.stack(values), torch.stack(positions), n[0], grow)
+    return RaggedRows([_own(k) for k in keys], [_own(v) for v in values], [_own(p) for p in positions], n, grow)
 
 
 def _own(t: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ with `ignore_eos`, so every request decodes exactly `max_tokens`:
   Output tokens/s, requests/s, TTFT and inter-token latency per (server, length, concurrency).
 * `memory`: the memory-bound case. kvmem with continuous batching and a fixed `--kv-budget` (256 MiB), a ~4k-token
   knowledge base and `memory_clients` clients, once per cache configuration (full, kvzip@0.25, keydiff@0.25,
-  kivi-4, kvzip@0.25 + kivi-4): how many sequences ran at once (the server's `kvmem_batch_rows`, sampled) and the
+  kivi-4, kvzip@0.25 + kivi-4, kvzip@0.5 + kivi-4 / kivi-8): how many sequences ran at once (the server's `kvmem_batch_rows`, sampled) and the
   tokens/s that gave. The compressed context is stored compressed and reused whole by later requests.
 
 * `steps`: in-process, ms per decode step of 1, 4 and 16 rows of 1k tokens (equal lengths, and four different
@@ -49,6 +49,8 @@ MEMORY_CONFIGS = {  # name: the request's kvmem options
     "keydiff:kernel_size=33@0.25": {"method": "keydiff:kernel_size=33", "keep_ratio": 0.25},
     "kivi-4": {"quant": "kivi-4"},
     "kvzip@0.25+kivi-4": {"method": "kvzip", "keep_ratio": 0.25, "quant": "kivi-4"},
+    "kvzip@0.5+kivi-4": {"method": "kvzip", "keep_ratio": 0.5, "quant": "kivi-4"},
+    "kvzip@0.5+kivi-8": {"method": "kvzip", "keep_ratio": 0.5, "quant": "kivi-8"},
 }
 METRICS_EVERY_S = 0.25
 STEP_SCHEMES = ("kivi-8", "kivi-4", "kivi-2", "kvquant-3", "rotatekv-4")
@@ -273,7 +275,9 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
     import torch
 
     from kvmem.batch import BatchedCache, RowBatch
-    from kvmem.cache import KVCache
+    from unittest.mock import patch
+
+    from kvmem.cache import KVCache, KVLayer
     from kvmem.compress import compress, get_method
     from kvmem.generate import feed, step
     from kvmem.models import load_model
@@ -325,15 +329,19 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
                     out["padding"].append(dict(rows=b, lengths=lengths, kind=kind, round=round_, ms=ms,
                                                tokens=[c.layers[0].lengths()[0] for c in caches]))
                     log(f"  {b:>2} rows ({lengths} lengths), {kind}: {ms:.1f} ms a step")
-        for spec in (("full",) + schemes)[::1 if round_ == 0 else -1]:
+        # a scheme with a decode kernel also without it (decoded into a buffer, then SDPA): what the kernel buys
+        variants = [("full", None, True)] + [(s, s, True) for s in schemes] + [
+            (f"{s}, decoded then SDPA", s, False) for s in schemes if get_scheme(s, lm).has_decode_kernel(base.layers[0].rows.kv_tensors()[0].shape[-1])]
+        for label, spec, kernel in variants[::1 if round_ == 0 else -1]:
             caches = [base.clone() for _ in range(rows[-1])]
-            if spec != "full":
+            if spec is not None:
                 scheme = get_scheme(spec, lm)
                 caches = [c.quantize(scheme) for c in caches]
             kv = sum(c.kv_bytes() for c in caches)
-            ms = timed(packed(caches))
-            out["quant"].append(dict(rows=rows[-1], scheme=spec, round=round_, ms=ms, kv_bytes=kv))
-            log(f"  {rows[-1]} rows, {spec}: {ms:.1f} ms a step, {kv / 2**20:.0f} MiB of KV")
+            with patch.object(KVLayer, "_decodes_in_place", KVLayer._decodes_in_place if kernel else lambda *a: False):
+                ms = timed(packed(caches))
+            out["quant"].append(dict(rows=rows[-1], scheme=label, round=round_, ms=ms, kv_bytes=kv))
+            log(f"  {rows[-1]} rows, {label}: {ms:.1f} ms a step, {kv / 2**20:.0f} MiB of KV")
     return out
 
 

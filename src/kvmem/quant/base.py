@@ -15,14 +15,14 @@ expired block stay and the position mask hides them, so nothing is re-encoded as
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
-from kvmem.rows import ExportedRows, Rows
+from kvmem.quant.encoded import EXPORT_FORMAT, flatten, unflatten
+from kvmem.rows import ExportedRows, Rows, empty_rows, store_rows
 
 
 class Encoded(Protocol):
@@ -105,27 +105,61 @@ class Scheme:
                 out_keys[h, :k.rows].copy_(dk)
                 out_values[h, :k.rows].copy_(dv)
 
+    # Joined codes: every head's encoded rows held as one tensor per K and V, so a forward decodes all heads in one
+    # pass (per-op overhead, not arithmetic, is most of a quantized decode step on CPU). A scheme that joins its codes
+    # implements these three; the others decode head by head (`decode_heads`).
+    def join_heads(self, parts: list[Encoded | None], stacked: bool) -> Encoded | None:
+        """The heads' encoded rows joined: stacked (H, n, ...) when they hold as many, else concatenated along rows
+        in head order (None parts hold no rows); None where the scheme does not join its codes."""
+        return None
+
+    def split_heads(self, joined: Encoded, counts: list[int], stacked: bool) -> list[Encoded | None]:
+        """Per head views of `join_heads`'s output (no copy); `counts` rows each."""
+        raise NotImplementedError
+
+    def decode_joined(self, keys: Encoded, values: Encoded, positions: Tensor, out_keys: Tensor, out_values: Tensor) -> None:
+        """`join_heads`'s keys and values, at positions of the same layout ((H, n) or (N,)), decoded into `out_keys` /
+        `out_values` ((H, n, D) or (N, D))."""
+        raise NotImplementedError
+
+    def has_decode_kernel(self, head_dim: int) -> bool:
+        """Whether `decode_attention` reads this scheme's codes for heads of `head_dim`."""
+        return False
+
+    def decode_attention(self, query: Tensor, keys: Encoded, values: Encoded, offsets: Tensor, residual_keys: Tensor,
+                         residual_values: Tensor, residual_offsets: Tensor, scaling: float) -> Tensor:
+        """One query token's attention, query (Hq, D), over the flat-joined encoded rows (head h's: offsets[h]:offsets[h+1])
+        and the residual rows (R, D) likewise, read in place without decoding: (Hq, D). Called only where
+        `has_decode_kernel`; elsewhere the rows are decoded and attended by SDPA."""
+        raise NotImplementedError
+
     @property
     def spec(self) -> str:
         return self.name
 
 
 class QuantizedRows(Rows):
+    """Per head: the encoded blocks (`qk`, `qv`) and their positions (`pq`), then the full-precision residual (`res`,
+    a `DenseRows` while heads hold as many residual rows: a decode step appends in place, no copy of what is held).
+    Where the scheme joins its codes (`Scheme.join_heads`), the heads' encoded rows are held as one tensor per K and V
+    (`qk[h]` are views of it), so a forward decodes every head in one pass: into (H, T, D) when heads hold as many
+    rows (`stacked`), else into one (N, D) row axis (`flat`)."""
+
     def __init__(self, scheme: Scheme, heads: int, head_dim: int, dtype: torch.dtype, device, value_dim: int | None = None):
         self.scheme, self.dtype = scheme, dtype
         self.codec = scheme.spec
-        empty = lambda d: torch.empty((0, d), dtype=dtype, device=device)  # noqa: E731
         self.qk: list[Encoded | None] = [None] * heads  # encoded rows, oldest first
         self.qv: list[Encoded | None] = [None] * heads
-        self.rk = [empty(head_dim) for _ in range(heads)]  # residual rows, full precision, newest last
-        self.rv = [empty(value_dim or head_dim) for _ in range(heads)]
-        self.p = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(heads)]  # every row's position
+        self.pq = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(heads)]  # the encoded rows' positions
+        # residual rows, newest last; stored exactly (no spare rows: a short quantized cache must not hold more than raw)
+        self.res: Rows = empty_rows(heads, head_dim, dtype, device, value_dim, grow=0)
+        self._join: tuple | None = None  # the heads' encoded rows joined (`_joined`)
 
     @classmethod
     def of(cls, scheme: Scheme, keys: list[Tensor], values: list[Tensor], positions: list[Tensor]) -> QuantizedRows:
         """These rows per head, encoded in blocks (the remainder stays in the residual)."""
         rows = cls(scheme, len(keys), keys[0].shape[-1], keys[0].dtype, keys[0].device, values[0].shape[-1])
-        rows.rk, rows.rv, rows.p = [k.clone() for k in keys], [v.clone() for v in values], [p.clone() for p in positions]
+        rows.res = store_rows([k.clone() for k in keys], [v.clone() for v in values], [p.clone() for p in positions], grow=0)
         rows.flush()
         return rows
 
@@ -133,16 +167,19 @@ class QuantizedRows(Rows):
         return QuantizedRows.of(self.scheme, keys, values, positions)
 
     def lengths(self) -> list[int]:
-        return [p.numel() for p in self.p]
+        return [p.numel() + r for p, r in zip(self.pq, self.res.lengths())]
+
+    def positions(self) -> list[Tensor]:
+        return [torch.cat([pq, rp]) for pq, rp in zip(self.pq, self.res.positions())]
 
     def heads(self) -> list[tuple[Tensor, Tensor, Tensor]]:
         out = []
-        for h, (qk, qv, rk, rv, p) in enumerate(zip(self.qk, self.qv, self.rk, self.rv, self.p)):
+        for h, (qk, qv, pq, (rk, rv, rp)) in enumerate(zip(self.qk, self.qv, self.pq, self.res.heads())):
             if qk is None:
-                out.append((rk, rv, p))
+                out.append((rk, rv, rp))
                 continue
-            k, v = self.scheme.decode(qk, qv, p[:qk.rows], h)
-            out.append((torch.cat([k, rk]), torch.cat([v, rv]), p))
+            k, v = self.scheme.decode(qk, qv, pq, h)
+            out.append((torch.cat([k, rk]), torch.cat([v, rv]), torch.cat([pq, rp])))
         return out
 
     def stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -151,40 +188,102 @@ class QuantizedRows(Rows):
         lengths = self.lengths()
         if len(set(lengths)) != 1:
             return None
-        rk, rv = self.rk[0], self.rv[0]
+        res = self.res.stacked()
+        if res is None:  # as many rows per head, split differently between encoded and residual
+            return super().stacked()
+        rk, rv, rp = res
+        n = lengths[0] - rk.shape[1]
         keys = rk.new_empty((len(lengths), lengths[0], rk.shape[-1]))
         values = rv.new_empty((len(lengths), lengths[0], rv.shape[-1]))
-        self.scheme.decode_heads(self.qk, self.qv, self.p, keys, values)
-        for h, (qk, rk, rv) in enumerate(zip(self.qk, self.rk, self.rv)):
-            n = qk.rows if qk is not None else 0
-            keys[h, n:], values[h, n:] = rk, rv
-        return keys, values, torch.stack(self.p)
+        joined = self._joined(stacked=True) if n else None
+        if joined is not None:
+            self.scheme.decode_joined(joined[0], joined[1], joined[2], keys[:, :n], values[:, :n])
+            positions = torch.cat([joined[2], rp], dim=1)
+        else:
+            self.scheme.decode_heads(self.qk, self.qv, self.pq, keys, values)
+            positions = torch.cat([torch.stack(self.pq), rp], dim=1)
+        keys[:, n:], values[:, n:] = rk, rv
+        return keys, values, positions
+
+    def flat(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """Every head's rows decoded into one (N, D) buffer per K and V, rows of all heads along one axis (encoded rows
+        head by head, then the residual rows head by head), with their positions (N,) and KV heads (N,): what a
+        forward's attention reads when heads hold different numbers of rows (`kvmem.attention.flat_attention`).
+        None where the scheme does not join its codes."""
+        joined = self._joined(stacked=False) if any(p.numel() for p in self.pq) else None
+        if joined is None and any(p.numel() for p in self.pq):
+            return None
+        res = self.res.heads()
+        n = joined[2].numel() if joined is not None else 0
+        total = n + sum(p.numel() for _, _, p in res)
+        rk, rv = res[0][0], res[0][1]
+        keys, values = rk.new_empty((total, rk.shape[-1])), rv.new_empty((total, rv.shape[-1]))
+        if joined is not None:
+            self.scheme.decode_joined(joined[0], joined[1], joined[2], keys[:n], values[:n])
+        torch.cat([k for k, _, _ in res], out=keys[n:])
+        torch.cat([v for _, v, _ in res], out=values[n:])
+        heads = torch.arange(len(res), dtype=torch.int32)
+        res_heads = heads.repeat_interleave(torch.tensor([p.numel() for _, _, p in res]))
+        positions = torch.cat([p for _, _, p in res] if joined is None else [joined[2], *(p for _, _, p in res)])
+        return keys, values, positions, res_heads if joined is None else torch.cat([joined[3], res_heads])
+
+    def decodes_in_place(self) -> bool:
+        """Whether `decode_attention` can serve the next decode step (the scheme has a kernel for these rows)."""
+        return self.dtype == torch.float32 and any(p.numel() for p in self.pq) and \
+            self.scheme.has_decode_kernel(self.res.kv_tensors()[0].shape[-1]) and self._joined(stacked=False) is not None
+
+    def decode_attention(self, query: Tensor, scaling: float) -> Tensor:
+        """A decode step's attention, query (1, Hq, 1, D), over every row held (each query head over its KV head's rows,
+        all visible) read where they are: the codes by the scheme's kernel (`Scheme.decode_attention`), nothing
+        decoded. (1, 1, Hq, D); only where `decodes_in_place()`."""
+        joined = self._joined(stacked=False)
+        res = self.res.heads()
+        counts = torch.tensor([0] + [p.numel() for p in self.pq]).cumsum(0)
+        res_counts = torch.tensor([0] + [p.numel() for _, _, p in res]).cumsum(0)
+        stacked = self.res.stacked()
+        rk, rv = (stacked[0].reshape(-1, stacked[0].shape[-1]), stacked[1].reshape(-1, stacked[1].shape[-1])) \
+            if stacked is not None else (torch.cat([k for k, _, _ in res]), torch.cat([v for _, v, _ in res]))
+        return self.scheme.decode_attention(query[0, :, 0], joined[0], joined[1], counts, rk, rv, res_counts, scaling)[None, None]
+
+    def _joined(self, stacked: bool) -> tuple[Encoded, Encoded, Tensor, Tensor] | None:
+        """The heads' encoded rows joined (`Scheme.join_heads`), their positions in the same layout and (flat) the KV
+        head of each row; made once after each change. The per-head rows become views of it: nothing is held twice."""
+        if self._join is None or self._join[0] != stacked:
+            keys = self.scheme.join_heads(self.qk, stacked)
+            if keys is None:
+                return None
+            values = self.scheme.join_heads(self.qv, stacked)
+            counts = [p.numel() for p in self.pq]
+            self.qk, self.qv = self.scheme.split_heads(keys, counts, stacked), self.scheme.split_heads(values, counts, stacked)
+            heads = torch.arange(len(counts), dtype=torch.int32).repeat_interleave(torch.tensor(counts))
+            self._join = (stacked, keys, values, torch.stack(self.pq) if stacked else torch.cat(self.pq), heads)
+        return self._join[1:]
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
-        for h in range(len(self.p)):
-            self.rk[h] = torch.cat([self.rk[h], keys[h]])
-            self.rv[h] = torch.cat([self.rv[h], values[h]])
-            self.p[h] = torch.cat([self.p[h], positions])
+        self.res.append(keys, values, positions)
 
     def flush(self) -> None:
         """Encode every full block of residual rows older than the scheme's `residual` newest rows."""
         g = self.scheme.group
-        counts = [max(rk.shape[0] - self.scheme.residual, 0) // g * g for rk in self.rk]
-        done = [q.rows if q is not None else 0 for q in self.qk]
-        if len(set(counts)) == 1 and counts[0]:  # every head encodes as many rows: all in one pass
+        res = self.res.heads()
+        counts = [max(k.shape[0] - self.scheme.residual, 0) // g * g for k, _, _ in res]
+        if not any(counts):
+            return
+        if len(set(counts)) == 1:  # every head encodes as many rows: all in one pass
             n = counts[0]
-            encoded = self.scheme.encode_heads(torch.stack([rk[:n] for rk in self.rk]), torch.stack([rv[:n] for rv in self.rv]),
-                                               torch.stack([p[d:d + n] for p, d in zip(self.p, done)]))
+            encoded = self.scheme.encode_heads(*(torch.stack([t[:n] for t in part]) for part in zip(*res)))
         else:
-            encoded = [self.scheme.encode(rk[:n], rv[:n], p[d:d + n], h) if n else None
-                       for h, (rk, rv, p, n, d) in enumerate(zip(self.rk, self.rv, self.p, counts, done))]
-        for h, (rk, rv, n, kv) in enumerate(zip(self.rk, self.rv, counts, encoded)):
+            encoded = [self.scheme.encode(k[:n], v[:n], p[:n], h) if n else None
+                       for h, ((k, v, p), n) in enumerate(zip(res, counts))]
+        for h, ((_, _, p), n, kv) in enumerate(zip(res, counts, encoded)):
             if not n:
                 continue
             k, v = kv
             self.qk[h] = k if self.qk[h] is None else self.qk[h].cat(k)
             self.qv[h] = v if self.qv[h] is None else self.qv[h].cat(v)
-            self.rk[h], self.rv[h] = rk[n:].clone(), rv[n:].clone()
+            self.pq[h] = torch.cat([self.pq[h], p[:n]])
+        self.res = store_rows(*([t[n:].clone() for t, n in zip(part, counts)] for part in zip(*res)), grow=0)
+        self._rejoin()
 
     def keep(self, indices: list[Tensor]) -> QuantizedRows:
         heads = self.heads()
@@ -197,32 +296,41 @@ class QuantizedRows(Rows):
         stay (their positions let the mask hide them)."""
         g = self.scheme.group
         for h, n in enumerate(counts):
-            encoded = self.qk[h].rows if self.qk[h] is not None else 0
+            encoded = self.pq[h].numel()
             blocks = min(n, encoded) // g * g
             if not blocks:
                 continue
             self.qk[h] = self.qk[h].drop(blocks) if blocks < encoded else None
             self.qv[h] = self.qv[h].drop(blocks) if blocks < encoded else None
-            self.p[h] = self.p[h][blocks:].clone()
+            self.pq[h] = self.pq[h][blocks:].clone()
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        """After the encoded rows changed: join them again at once, so heads left unchanged stop being views of the old
+        joined tensors (which they would otherwise keep alive until the next forward)."""
+        if self._join is not None:
+            stacked, self._join = self._join[0], None
+            if self._joined(stacked) is None:
+                self._joined(False)
 
     def kv_tensors(self) -> list[Tensor]:
         held = [t for q in (*self.qk, *self.qv) if q is not None for t in q.tensors()]
-        return held + [t for t in (*self.rk, *self.rv)]
+        return held + self.res.kv_tensors()
 
     def position_tensors(self) -> list[Tensor]:
-        return list(self.p)
+        return list(self.pq) + self.res.position_tensors()
 
     def export_rows(self) -> ExportedRows:
         """The rows as held, not decoded: per head the encoded tensors (`k.*`, `v.*`), the full-precision residual
         and the positions; the codec is the scheme's spec, and what is not a tensor (bit widths, shapes, the
         encoded types) goes into `meta`. `import_encoded` rebuilds exactly these rows."""
         heads, head_meta = [], []
-        for qk, qv, rk, rv, p in zip(self.qk, self.qv, self.rk, self.rv, self.p):
-            tensors = {"positions": p.clone(), "residual_keys": rk.clone(), "residual_values": rv.clone()}
+        for qk, qv, pq, (rk, rv, rp) in zip(self.qk, self.qv, self.pq, self.res.heads()):
+            tensors = {"positions": torch.cat([pq, rp]), "residual_keys": rk.clone(), "residual_values": rv.clone()}
             meta: dict = {}
             for prefix, q in (("k", qk), ("v", qv)):
                 if q is not None:
-                    _flatten(q, prefix, tensors, meta)
+                    flatten(q, prefix, tensors, meta)
             heads.append(tensors)
             head_meta.append(meta)
         return ExportedRows(heads, codec=self.codec, meta={"format": EXPORT_FORMAT, "dtype": str(self.dtype).split(".")[-1],
@@ -246,8 +354,9 @@ class QuantizedRows(Rows):
         first = rows.heads[0]
         out = cls(scheme, len(rows.heads), first["residual_keys"].shape[-1], dtype, first["positions"].device,
                   first["residual_values"].shape[-1])
+        residual = []
         for h, (tensors, meta) in enumerate(zip(rows.heads, rows.meta["heads"])):
-            qk, qv = (_unflatten(prefix, tensors, meta) if f"{prefix}.__type" in meta else None for prefix in ("k", "v"))
+            qk, qv = (unflatten(prefix, tensors, meta) if f"{prefix}.__type" in meta else None for prefix in ("k", "v"))
             p = tensors["positions"]
             if p.dtype != torch.int32 or p.dim() != 1 or (p.numel() > 1 and not bool((p[1:] > p[:-1]).all())):
                 raise KVMemError(f"head {h}: positions must be int32 and increasing")
@@ -257,58 +366,7 @@ class QuantizedRows(Rows):
                     or tensors["residual_values"].shape[0] != n - encoded:
                 raise KVMemError(f"head {h}: encoded and residual rows do not add up to its {n} positions")
             out.qk[h], out.qv[h] = qk, qv
-            out.rk[h], out.rv[h], out.p[h] = tensors["residual_keys"], tensors["residual_values"], tensors["positions"]
+            out.pq[h] = p[:encoded].clone()
+            residual.append((tensors["residual_keys"], tensors["residual_values"], p[encoded:]))
+        out.res = store_rows(*map(list, zip(*residual)), grow=0)
         return out
-
-
-EXPORT_FORMAT = 1
-
-
-def _encoded_types() -> dict[str, type]:
-    """The encoded row types an export may name (only these are ever rebuilt from stored metadata)."""
-    from kvmem.quant.cq import Codes
-    from kvmem.quant.kvquant import SparseCoded
-    from kvmem.quant.pack import Quantized
-    from kvmem.quant.rotatekv import WithSinks
-
-    return {t.__name__: t for t in (Quantized, SparseCoded, WithSinks, Codes)}
-
-
-def _flatten(obj, prefix: str, tensors: dict, meta: dict) -> None:
-    """A dataclass of encoded rows as named tensors plus JSON-able metadata (nested dataclasses too)."""
-    if type(obj).__name__ not in _encoded_types():
-        raise KVMemError(f"{type(obj).__name__} rows cannot be exported")
-    meta[f"{prefix}.__type"] = type(obj).__name__
-    for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{prefix}.{f.name}"
-        if isinstance(value, Tensor):
-            tensors[key] = value.clone()
-        elif dataclasses.is_dataclass(value):
-            _flatten(value, key, tensors, meta)
-        elif isinstance(value, torch.dtype):
-            meta[key] = {"dtype": str(value).split(".")[-1]}
-        else:
-            meta[key] = list(value) if isinstance(value, tuple) else value
-
-
-def _unflatten(prefix: str, tensors: dict, meta: dict):
-    types = _encoded_types()
-    cls = types.get(meta.get(f"{prefix}.__type"))
-    if cls is None:
-        raise KVMemError(f"encoded rows name an unknown type {meta.get(f'{prefix}.__type')!r}")
-    values = {}
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}"
-        if key in tensors:
-            values[f.name] = tensors[key]
-        elif f"{key}.__type" in meta:
-            values[f.name] = _unflatten(key, tensors, meta)
-        elif key in meta:
-            v = meta[key]
-            if isinstance(v, dict) and "dtype" in v:
-                v = getattr(torch, v["dtype"])
-            values[f.name] = tuple(v) if isinstance(v, list) else v
-        else:
-            raise KVMemError(f"encoded rows lack {key!r}")
-    return cls(**values)
-

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kvmem.errors import KVMemError
 from kvmem.quant.base import Scheme, encoded_rows
-from kvmem.quant.pack import Quantized, dequantize, quantize, stack
+from kvmem.quant.pack import Quantized, concat, dequantize, quantize, split, stack, unstack
 from kvmem.spec import format_spec
 
 
@@ -38,12 +38,31 @@ class KIVI(Scheme):
     def decode(self, keys: Quantized, values: Quantized, positions: Tensor, head: int) -> tuple[Tensor, Tensor]:
         return dequantize(keys), dequantize(values)
 
-    def decode_heads(self, keys: list[Quantized | None], values: list[Quantized | None], positions: list[Tensor],
-                     out_keys: Tensor, out_values: Tensor) -> None:
-        if not (n := encoded_rows(keys)):  # heads of different lengths: one by one
-            return super().decode_heads(keys, values, positions, out_keys, out_values)
-        for parts, out in ((keys, out_keys), (values, out_values)):  # all heads at once: one (H, n, D) tensor
-            dequantize(stack(parts), out[:, :n])
+    def join_heads(self, parts: list[Quantized | None], stacked: bool) -> Quantized | None:
+        if stacked:
+            return stack(parts) if encoded_rows(parts) else None
+        # keys' groups run along rows and every head's encoded rows fill whole groups: heads concatenate group-aligned
+        held = [p for p in parts if p is not None]
+        return concat(held, 0) if held else None
+
+    def split_heads(self, joined: Quantized, counts: list[int], stacked: bool) -> list[Quantized | None]:
+        return unstack(joined) if stacked else split(joined, counts)
+
+    def decode_joined(self, keys: Quantized, values: Quantized, positions: Tensor, out_keys: Tensor,
+                      out_values: Tensor) -> None:
+        dequantize(keys, out_keys)
+        dequantize(values, out_values)
+
+    def has_decode_kernel(self, head_dim: int) -> bool:
+        from kvmem.quant import kernel
+
+        return head_dim % 8 == 0 and kernel.available()
+
+    def decode_attention(self, query: Tensor, keys: Quantized, values: Quantized, offsets: Tensor, residual_keys: Tensor,
+                         residual_values: Tensor, residual_offsets: Tensor, scaling: float) -> Tensor:
+        from kvmem.quant import kernel
+
+        return kernel.decode_attention(query, keys, values, offsets, residual_keys, residual_values, residual_offsets, scaling)
 
     @property
     def spec(self) -> str:

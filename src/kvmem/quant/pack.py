@@ -45,8 +45,11 @@ def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 8:
         return packed[..., :n]
     if 8 % bits == 0:  # whole codes per byte (1, 2, 4 bits): byte j holds codes j*8/bits.. at increasing shifts
-        # one whole-tensor shift per code slot, then interleaved (faster on CPU than one broadcast shift)
-        codes = torch.stack([(packed >> s) & ((1 << bits) - 1) for s in range(0, 8, bits)], dim=-1)
+        # one whole-tensor shift per code slot, then interleaved (faster on CPU than one broadcast shift); the lowest
+        # slot needs no shift and the highest no mask
+        mask = (1 << bits) - 1
+        codes = torch.stack([packed & mask if s == 0 else packed >> s if s == 8 - bits else (packed >> s) & mask
+                             for s in range(0, 8, bits)], dim=-1)
         return codes.reshape(*packed.shape[:-1], -1)[..., :n]
     b = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, bits)
     word = (b << (torch.arange(bits, device=b.device) * 8)).sum(-1)
@@ -143,6 +146,29 @@ def stack(parts: list[Quantized]) -> Quantized:
     return Quantized(torch.stack([p.packed for p in parts]), torch.stack([p.scale for p in parts]),
                      torch.stack([p.zero for p in parts]), first.bits, first.group, first.dim + 1,
                      (len(parts), *first.shape), first.dtype)
+
+
+def unstack(stacked: Quantized) -> list[Quantized]:
+    """`stack`'s parts back, as views of the stacked tensors (nothing copied)."""
+    return [Quantized(stacked.packed[i], stacked.scale[i], stacked.zero[i], stacked.bits, stacked.group, stacked.dim - 1,
+                      stacked.shape[1:], stacked.dtype) for i in range(stacked.shape[0])]
+
+
+def split(joined: Quantized, counts: list[int]) -> list[Quantized | None]:
+    """`concat(parts, 0)`'s parts back (`counts[i]` rows each; None for 0), as views of the joined tensors."""
+    out, start = [], 0
+    for n in counts:
+        if not n:
+            out.append(None)
+            continue
+        if joined.dim == 0:  # groups of `group` rows: the scales' last dim runs along row groups
+            scale, zero = (z[..., start // joined.group:(start + n) // joined.group] for z in (joined.scale, joined.zero))
+        else:
+            scale, zero = joined.scale[start:start + n], joined.zero[start:start + n]
+        out.append(Quantized(joined.packed[start:start + n], scale, zero, joined.bits, joined.group, joined.dim,
+                             (n, *joined.shape[1:]), joined.dtype))
+        start += n
+    return out
 
 
 def concat(parts: list[Quantized], dim: int) -> Quantized:
