@@ -3,9 +3,12 @@
 A `Scheme` encodes blocks of `group` tokens of one head (keys and values) into `Quantized` tensors and
 decodes them. `QuantizedRows` holds, per head, the encoded blocks joined into one packed tensor per K and
 V, plus a full-precision residual: the newest `residual` rows and those that do not yet fill a block
-(KIVI's recent window). The
-layer calls `flush()` after each forward's attention, so the tokens of a forward are attended at full
-precision by that forward (as in KIVI and transformers' QuantizedCache) and held packed afterwards.
+(KIVI's recent window). The layer calls `flush()` after each forward's attention, so the tokens of a forward are
+attended at full precision by that forward (as in KIVI and transformers' QuantizedCache) and held packed afterwards.
+
+How a forward reads them: a decode step of a scheme with a kernel (`Scheme.has_decode_kernel`: KIVI's codes,
+`kernel.py`) attends the codes in place (`QuantizedRows.decode_attention`); otherwise the heads are decoded into one
+buffer, (H, T, D) when they hold as many rows (`stacked`) or one row axis when they do not (`flat`).
 
 Eviction composes: `keep()` on quantized rows decodes, selects and re-encodes the kept rows in new blocks
 (the compressor runs before the flush, so in `prefill -> compress -> decode` the kept rows are encoded
