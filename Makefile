@@ -115,7 +115,7 @@ bench-serve: setup redis
 bench-batching: setup
 	$(KVMEM) eval --suite batching --parts sweep --lengths 1024 --concurrency 1,2,4,8,16,32 --duration 60 --threads 2 --out results/batching
 	$(KVMEM) eval --suite batching --parts sweep --lengths 4096 --concurrency 1,2,4,8,16,32 --duration 40 --threads 2 --out results/batching
-	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,kivi-8 --parts tasks --methods kvzip --ratios 0.25,0.5 --samples 10 --threads 2 --out results/batching/scores
+	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,kivi-8 --cross kivi-4,kivi-8 --parts tasks --methods kvzip --ratios 0.25,0.5 --samples 10 --threads 2 --out results/batching/scores
 	$(KVMEM) eval --suite batching --parts memory,steps --threads 2 --out results/batching
 	$(PY) -c "from kvmem.eval.batching_report import update_readme; update_readme()"
 

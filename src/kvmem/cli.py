@@ -172,6 +172,7 @@ def eval_(
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
     raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
+    cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
     parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks); reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens)."),
     codecs: Optional[str] = typer.Option(None, help="reuse: comma-separated store codecs (default: raw, quant:kivi-8/4/2, cachegen)."),
@@ -255,7 +256,8 @@ def eval_(
         cfg = QuantConfig(models=_csv(models), schemes=_csv(quant) if quant else default_schemes(), parts=_csv(parts),
                           length=length, texts=texts, decode_length=length, task_length=length, task_samples=samples,
                           task_ratios=_csv(ratios, float), out=out or Path("results/quant"),
-                          **({"task_methods": _csv(methods)} if methods else {}))
+                          **({"task_methods": _csv(methods)} if methods else {}),
+                          **({"task_schemes": _csv(cross)} if cross else {}))
         path = run_quant(cfg, log=console.print)
         console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
         return
