@@ -56,7 +56,10 @@ class KIVI(Scheme):
     def has_decode_kernel(self, head_dim: int) -> bool:
         from kvmem.quant import kernel
 
-        return head_dim % 8 == 0 and kernel.available()
+        # the kernel reads a value group's codes per byte slot: the group must hold whole bytes of codes
+        value_bits = getattr(self, "value_bits", self.bits)
+        per_byte = 8 // value_bits if 8 % value_bits == 0 else 1
+        return head_dim % 8 == 0 and head_dim % self.group == 0 and self.group % per_byte == 0 and kernel.available()
 
     def decode_attention(self, query: Tensor, keys: Quantized, values: Quantized, offsets: Tensor, residual_keys: Tensor,
                          residual_values: Tensor, residual_offsets: Tensor, scaling: float) -> Tensor:
