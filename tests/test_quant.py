@@ -162,25 +162,30 @@ def test_ragged_quantized_heads_decode_in_one_pass_as_head_by_head(kind, request
 
 
 def test_the_decode_kernel_builds_and_reads_codes_as_they_decode():
-    """The kernel (`kvmem.quant.kernel`, built on first use) against decoding then attending in float32: heads of different
-    lengths, 8/4/3/2-bit keys and values of different widths, residual rows; each query head reads its own KV head."""
+    """The kernel (`kvmem.quant.kernel`, built on first use) against decoding then attending in float32: two sequences
+    in one call, heads of different lengths, 8/4/3/2-bit keys and values of different widths, residual rows (none in
+    one head); each query head reads its own KV head of its own sequence."""
     from kvmem.quant import kernel
     from kvmem.quant.pack import concat
 
     assert kernel.available()  # the build must work here: a silent fall back to PyTorch would hide a broken kernel
     gen = torch.Generator().manual_seed(0)
-    d, g, lengths, residual = 64, 32, [96, 32, 160], [5, 0, 17]
+    d, g = 64, 32
+    shapes = [([96, 32, 160], [5, 0, 17]), ([32, 64, 32], [3, 9, 1])]  # per sequence: encoded and residual rows per head
     for kbits, vbits in [(8, 8), (4, 4), (3, 3), (2, 2), (4, 2)]:
-        keys = [torch.randn(n, d, generator=gen) for n in lengths]
-        values = [torch.randn(n, d, generator=gen) for n in lengths]
-        qk, qv = [quantize(k, kbits, g, dim=0) for k in keys], [quantize(v, vbits, g, dim=1) for v in values]
-        rk, rv = [torch.randn(r, d, generator=gen) for r in residual], [torch.randn(r, d, generator=gen) for r in residual]
-        query = torch.randn(9, d, generator=gen)
-        offsets, res_offsets = (torch.tensor([0, *n]).cumsum(0) for n in (lengths, residual))
-        out = kernel.decode_attention(query, concat(qk, 0), concat(qv, 0), offsets, torch.cat(rk), torch.cat(rv),
-                                      res_offsets, 0.125)
-        want = torch.cat([torch.softmax(query[3 * h:3 * h + 3] @ torch.cat([dequantize(qk[h]), rk[h]]).T * 0.125, -1)
-                          @ torch.cat([dequantize(qv[h]), rv[h]]) for h in range(3)])
+        seqs = []
+        for lengths, residual in shapes:
+            keys, values = ([torch.randn(n, d, generator=gen) for n in lengths] for _ in range(2))
+            seqs.append(([quantize(k, kbits, g, dim=0) for k in keys], [quantize(v, vbits, g, dim=1) for v in values],
+                         [torch.randn(r, d, generator=gen) for r in residual],
+                         [torch.randn(r, d, generator=gen) for r in residual], torch.tensor([0, *lengths]).cumsum(0)))
+        query = torch.randn(len(shapes), 9, d, generator=gen)
+        out = kernel.decode_attention(query, [concat(qk, 0) for qk, *_ in seqs], [concat(qv, 0) for _, qv, *_ in seqs],
+                                      [s[4] for s in seqs], [r for s in seqs for r in s[2]], [r for s in seqs for r in s[3]],
+                                      0.125)
+        want = torch.stack([torch.cat([torch.softmax(q[3 * h:3 * h + 3] @ torch.cat([dequantize(qk[h]), rk[h]]).T * 0.125, -1)
+                                       @ torch.cat([dequantize(qv[h]), rv[h]]) for h in range(3)])
+                            for q, (qk, qv, rk, rv, _) in zip(query, seqs)])
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 

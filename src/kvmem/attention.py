@@ -15,7 +15,7 @@ tokens), or none when every query may see every row (a decode step, usually):
   step's attention, nothing decoded.
 * `kvmem_layer`: the layer to call back with the queries (observation for the scorers, see `observe.py`).
 * `kvmem_rows`: a `RowBatch` (`batch.py`); per sequence (keys, values, its own kwargs of the above), attended
-  sequence by sequence, each on its own rows.
+  sequence by sequence, each on its own rows, except the sequences read in place (`kvmem_decode`): one kernel call.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     (or kv-embedding's re-routed prefix in the layers it asks for)."""
     rows = kwargs.pop("kvmem_rows", None)  # a RowBatch: each sequence attends its own cache (kvmem.batch)
     if rows is not None:
-        return torch.cat([kvmem_attention(module, query[b:b + 1], k, v, own.pop("attention_mask", None), dropout, scaling,
+        in_place = _rows_in_place(query, rows, scaling, kwargs)
+        return torch.cat([in_place[b] if b in in_place else
+                          kvmem_attention(module, query[b:b + 1], k, v, own.pop("attention_mask", None), dropout, scaling,
                                           **(kwargs | own))[0] for b, (k, v, own) in enumerate(rows)]), None
     own_mask = "kvmem_mask" in kwargs
     mask = kwargs.pop("kvmem_mask", None)
@@ -110,6 +112,25 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     if layer is not None:
         layer.observe(query, scaling)
     return out
+
+
+def _rows_in_place(query: Tensor, rows: list, scaling: float | None, kwargs: dict) -> dict[int, Tensor]:
+    """A RowBatch's decode step over the sequences whose quantized rows are read in place (`kvmem_decode`): all of them
+    in one kernel call (`kvmem.quant.base.attend_in_place`) rather than one per sequence. {b: (1, 1, Hq, D)}."""
+    from kvmem.quant.base import attend_in_place
+
+    batch = [b for b, (_, _, own) in enumerate(rows) if "kvmem_decode" in own]
+    if not batch:
+        return {}
+    if kwargs.get("softcap") is not None:
+        raise KVMemError("attention logit soft-capping is not supported on compressed kvmem layers")
+    scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    queries = query[batch, :, 0] if len(batch) < len(rows) else query[:, :, 0]
+    out = attend_in_place([rows[b][2]["kvmem_decode"] for b in batch], queries, scaling)
+    for i, b in enumerate(batch):
+        if (layer := rows[b][2].get("kvmem_layer")) is not None:  # encodes the residual rows that fill a block
+            layer.observe(query[b:b + 1], scaling)
+    return {b: out[i:i + 1, None] for i, b in enumerate(batch)}
 
 
 def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float) -> Tensor:

@@ -77,118 +77,153 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-}  // namespace
 
-// q (Hq, D) float32; kp (N, D*kbits/8) uint8, ks/kz (D, N/group_k) half; vp (N, D*vbits/8) uint8, vs/vz (N, D/group_v)
-// half; off (H+1) int64: KV head h's encoded rows are [off[h], off[h+1]) (multiples of group_k); rk/rv (R, D) float32,
-// roff (H+1) int64 likewise. Returns (Hq, D) float32.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kp, torch::Tensor ks, torch::Tensor kz, int64_t kbits,
-                               int64_t group_k, torch::Tensor vp, torch::Tensor vs, torch::Tensor vz, int64_t vbits,
-                               int64_t group_v, torch::Tensor off, torch::Tensor rk, torch::Tensor rv, torch::Tensor roff,
-                               double scaling) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && rk.scalar_type() == torch::kFloat && rv.scalar_type() == torch::kFloat);
-  TORCH_CHECK(kp.scalar_type() == torch::kByte && vp.scalar_type() == torch::kByte);
-  TORCH_CHECK(ks.scalar_type() == torch::kHalf && vs.scalar_type() == torch::kHalf);
-  q = q.contiguous(); kp = kp.contiguous(); vp = vp.contiguous(); ks = ks.contiguous(); kz = kz.contiguous();
-  vs = vs.contiguous(); vz = vz.contiguous(); rk = rk.contiguous(); rv = rv.contiguous();
-  off = off.contiguous(); roff = roff.contiguous();
-  const int64_t hq = q.size(0), d = q.size(1), heads = off.size(0) - 1, groups = hq / heads;
-  const int64_t kstride = kp.size(1), vstride = vp.size(1), kcols = ks.size(1), vcols = vs.size(1);
-  const int64_t KP = planes(kbits), kw = d / KP, VP = planes(vbits), vw = d / VP;
-  TORCH_CHECK(d % 8 == 0 && hq % heads == 0 && group_v % VP == 0 && d % group_v == 0);
-  auto out = torch::empty({hq, d}, q.options());
-  const float* qd = q.data_ptr<float>();
-  const uint8_t* kpd = kp.data_ptr<uint8_t>();
-  const uint8_t* vpd = vp.data_ptr<uint8_t>();
-  const at::Half* ksd = ks.data_ptr<at::Half>();
-  const at::Half* kzd = kz.data_ptr<at::Half>();
-  const at::Half* vsd = vs.data_ptr<at::Half>();
-  const at::Half* vzd = vz.data_ptr<at::Half>();
-  const float* rkd = rk.data_ptr<float>();
-  const float* rvd = rv.data_ptr<float>();
-  const int64_t* offd = off.data_ptr<int64_t>();
-  const int64_t* roffd = roff.data_ptr<int64_t>();
-  float* od = out.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
+// One KV head of one sequence: its query heads and output, its encoded rows [e0, e1) in the sequence's joined codes, and
+// its residual rows.
+struct Head {
+  const float* q;  // (groups, d)
+  float* out;      // (groups, d)
+  const uint8_t* kp; const at::Half* ks; const at::Half* kz; int64_t kcols;  // ks, kz: (d, kcols)
+  const uint8_t* vp; const at::Half* vs; const at::Half* vz;                 // vs, vz: (rows, d / group_v)
+  int64_t e0, e1;
+  const float* rk; const float* rv; int64_t r;                               // (r, d) each
+};
 
-  std::vector<int64_t> kperm(d), vperm(d);
-  for (int64_t c = 0; c < d; ++c) kperm[c] = planar(c, KP, kw), vperm[c] = planar(c, VP, vw);
-  const int64_t span = group_v / VP, vgroups = d / group_v;  // a channel group's codes in one plane
+struct Layout {
+  int64_t d, groups, kbits, group_k, vbits, group_v, kstride, vstride, vcols, KP, kw, VP, vw, span, vgroups;
+  std::vector<int64_t> kperm, vperm;
+  float scale;
+};
 
-  at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> codes(d), qs(groups * d), bias(groups), acc(groups * d);
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t e0 = offd[h], e1 = offd[h + 1], r0 = roffd[h], r1 = roffd[h + 1];
-      const int64_t ne = e1 - e0, n = ne + (r1 - r0);
-      std::vector<float> p(groups * n);
-      const float* qh = qd + h * groups * d;
-      // scores of the encoded rows: per block of group_k rows, the block's key scales folded into the queries (planar)
-      for (int64_t b0 = e0; b0 < e1; b0 += group_k) {
-        const int64_t col = b0 / group_k;
-        for (int64_t j = 0; j < groups; ++j) {
-          float z = 0.f;
-          for (int64_t c = 0; c < d; ++c) {
-            const float qc = qh[j * d + c];
-            qs[j * d + kperm[c]] = qc * f32(ksd[c * kcols + col]);
-            z += qc * f32(kzd[c * kcols + col]);
-          }
-          bias[j] = z;
-        }
-        for (int64_t t = b0; t < std::min(b0 + group_k, e1); ++t) {
-          unpack_planes(kpd + t * kstride, kbits, KP, kw, codes.data());
-          for (int64_t j = 0; j < groups; ++j) p[j * n + (t - e0)] = (bias[j] + dot(qs.data() + j * d, codes.data(), d)) * scale;
-        }
+void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vector<float>& qs, std::vector<float>& bias,
+            std::vector<float>& acc, std::vector<float>& p) {
+  const int64_t d = L.d, groups = L.groups, ne = x.e1 - x.e0, n = ne + x.r;
+  p.resize(groups * n);
+  // scores of the encoded rows: per block of group_k rows, the block's key scales folded into the queries (planar)
+  for (int64_t b0 = x.e0; b0 < x.e1; b0 += L.group_k) {
+    const int64_t col = b0 / L.group_k;
+    for (int64_t j = 0; j < groups; ++j) {
+      float z = 0.f;
+      for (int64_t c = 0; c < d; ++c) {
+        const float qc = x.q[j * d + c];
+        qs[j * d + L.kperm[c]] = qc * f32(x.ks[c * x.kcols + col]);
+        z += qc * f32(x.kz[c * x.kcols + col]);
       }
-      for (int64_t r = r0; r < r1; ++r)  // the residual rows, full precision
-        for (int64_t j = 0; j < groups; ++j) p[j * n + ne + (r - r0)] = dot(qh + j * d, rkd + r * d, d) * scale;
-      std::vector<float> total(groups);
-      for (int64_t j = 0; j < groups; ++j) {  // softmax per query head (normalized at the end)
-        float* pj = p.data() + j * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, pj[t]);
-        float s = 0.f;
-        for (int64_t t = 0; t < n; ++t) s += (pj[t] = std::exp(pj[t] - m));
-        total[j] = s;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);  // values of the encoded rows, accumulated in planar order
-      for (int64_t t = e0; t < e1; ++t) {
-        unpack_planes(vpd + t * vstride, vbits, VP, vw, codes.data());
-        for (int64_t j = 0; j < groups; ++j) {
-          const float pt = p[j * n + (t - e0)];
-          float* a = acc.data() + j * d;
-          for (int64_t g = 0; g < vgroups; ++g) {
-            const float sc = pt * f32(vsd[t * vcols + g]);
-            const float zr = pt * f32(vzd[t * vcols + g]);
-            for (int64_t k = 0; k < VP; ++k) {
-              float* ak = a + k * vw + g * span;
-              const float* ck = codes.data() + k * vw + g * span;
-#pragma omp simd
-              for (int64_t b = 0; b < span; ++b) ak[b] += sc * ck[b] + zr;
-            }
-          }
-        }
-      }
-      float* oh = od + h * groups * d;
+      bias[j] = z;
+    }
+    for (int64_t t = b0; t < std::min(b0 + L.group_k, x.e1); ++t) {
+      unpack_planes(x.kp + t * L.kstride, L.kbits, L.KP, L.kw, codes.data());
       for (int64_t j = 0; j < groups; ++j)
-        for (int64_t c = 0; c < d; ++c) oh[j * d + c] = acc[j * d + vperm[c]];
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* vr = rvd + r * d;
-        for (int64_t j = 0; j < groups; ++j) {
-          const float pt = p[j * n + ne + (r - r0)];
-          float* o = oh + j * d;
+        p[j * n + (t - x.e0)] = (bias[j] + dot(qs.data() + j * d, codes.data(), d)) * L.scale;
+    }
+  }
+  for (int64_t r = 0; r < x.r; ++r)  // the residual rows, full precision
+    for (int64_t j = 0; j < groups; ++j) p[j * n + ne + r] = dot(x.q + j * d, x.rk + r * d, d) * L.scale;
+  std::vector<float> total(groups);
+  for (int64_t j = 0; j < groups; ++j) {  // softmax per query head (normalized at the end)
+    float* pj = p.data() + j * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, pj[t]);
+    float s = 0.f;
+    for (int64_t t = 0; t < n; ++t) s += (pj[t] = std::exp(pj[t] - m));
+    total[j] = s;
+  }
+  std::fill(acc.begin(), acc.end(), 0.f);  // values of the encoded rows, accumulated in planar order
+  for (int64_t t = x.e0; t < x.e1; ++t) {
+    unpack_planes(x.vp + t * L.vstride, L.vbits, L.VP, L.vw, codes.data());
+    for (int64_t j = 0; j < groups; ++j) {
+      const float pt = p[j * n + (t - x.e0)];
+      float* a = acc.data() + j * d;
+      for (int64_t g = 0; g < L.vgroups; ++g) {
+        const float sc = pt * f32(x.vs[t * L.vcols + g]);
+        const float zr = pt * f32(x.vz[t * L.vcols + g]);
+        for (int64_t k = 0; k < L.VP; ++k) {
+          float* ak = a + k * L.vw + g * L.span;
+          const float* ck = codes.data() + k * L.vw + g * L.span;
 #pragma omp simd
-          for (int64_t c = 0; c < d; ++c) o[c] += pt * vr[c];
+          for (int64_t b = 0; b < L.span; ++b) ak[b] += sc * ck[b] + zr;
         }
-      }
-      for (int64_t j = 0; j < groups; ++j) {
-        const float inv = 1.f / total[j];
-        for (int64_t c = 0; c < d; ++c) oh[j * d + c] *= inv;
       }
     }
+  }
+  for (int64_t j = 0; j < groups; ++j)
+    for (int64_t c = 0; c < d; ++c) x.out[j * d + c] = acc[j * d + L.vperm[c]];
+  for (int64_t r = 0; r < x.r; ++r) {
+    const float* vr = x.rv + r * d;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float pt = p[j * n + ne + r];
+      float* o = x.out + j * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) o[c] += pt * vr[c];
+    }
+  }
+  for (int64_t j = 0; j < groups; ++j) {
+    const float inv = 1.f / total[j];
+    for (int64_t c = 0; c < d; ++c) x.out[j * d + c] *= inv;
+  }
+}
+
+}  // namespace
+
+// B sequences' decode step in one call, parallel over (sequence, KV head). q (B, Hq, D) float32. Per sequence b, its
+// KV heads' encoded rows joined along rows: kp[b] (N_b, D*kbits/8) uint8, ks/kz[b] (D, N_b/group_k) half, vp[b]
+// (N_b, D*vbits/8) uint8, vs/vz[b] (N_b, D/group_v) half, off[b] (H+1) int64 (head h's rows are [off[h], off[h+1]),
+// multiples of group_k); its residual rows per head: rk/rv[b * H + h] (R, D) float32. Returns (B, Hq, D) float32.
+torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, std::vector<torch::Tensor> ks,
+                               std::vector<torch::Tensor> kz, int64_t kbits, int64_t group_k, std::vector<torch::Tensor> vp,
+                               std::vector<torch::Tensor> vs, std::vector<torch::Tensor> vz, int64_t vbits, int64_t group_v,
+                               std::vector<torch::Tensor> off, std::vector<torch::Tensor> rk, std::vector<torch::Tensor> rv,
+                               double scaling) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3);
+  q = q.contiguous();
+  const int64_t B = q.size(0), hq = q.size(1), d = q.size(2);
+  TORCH_CHECK(B >= 1 && (int64_t)kp.size() == B && (int64_t)off.size() == B && rk.size() == rv.size());
+  const int64_t heads = off[0].numel() - 1;
+  TORCH_CHECK(heads >= 1 && hq % heads == 0 && (int64_t)rk.size() == B * heads);
+  Layout L;
+  L.d = d; L.groups = hq / heads; L.kbits = kbits; L.group_k = group_k; L.vbits = vbits; L.group_v = group_v;
+  L.kstride = d * kbits / 8; L.vstride = d * vbits / 8; L.vcols = d / group_v;
+  L.KP = planes(kbits); L.kw = d / L.KP; L.VP = planes(vbits); L.vw = d / L.VP;
+  L.span = group_v / L.VP; L.vgroups = d / group_v; L.scale = static_cast<float>(scaling);
+  TORCH_CHECK(d % 8 == 0 && group_v % L.VP == 0 && d % group_v == 0);
+  L.kperm.resize(d); L.vperm.resize(d);
+  for (int64_t c = 0; c < d; ++c) L.kperm[c] = planar(c, L.KP, L.kw), L.vperm[c] = planar(c, L.VP, L.vw);
+
+  auto out = torch::empty({B, hq, d}, q.options());
+  std::vector<torch::Tensor> held;  // contiguous copies where an input was not (kept alive for the call)
+  auto ready = [&](torch::Tensor t, c10::ScalarType type) {
+    TORCH_CHECK(t.scalar_type() == type, "decode_attention: a tensor of the wrong dtype");
+    if (!t.is_contiguous()) held.push_back(t = t.contiguous());
+    return t;
+  };
+  std::vector<Head> work;
+  work.reserve(B * heads);
+  for (int64_t b = 0; b < B; ++b) {
+    auto kpb = ready(kp[b], torch::kByte), ksb = ready(ks[b], torch::kHalf), kzb = ready(kz[b], torch::kHalf);
+    auto vpb = ready(vp[b], torch::kByte), vsb = ready(vs[b], torch::kHalf), vzb = ready(vz[b], torch::kHalf);
+    auto offb = ready(off[b], torch::kLong);
+    TORCH_CHECK(offb.numel() == heads + 1 && kpb.size(1) == L.kstride && vpb.size(1) == L.vstride && ksb.size(0) == d);
+    const int64_t* o = offb.data_ptr<int64_t>();
+    TORCH_CHECK(o[heads] <= kpb.size(0) && o[heads] <= vpb.size(0));
+    for (int64_t h = 0; h < heads; ++h) {
+      auto rkh = ready(rk[b * heads + h], torch::kFloat), rvh = ready(rv[b * heads + h], torch::kFloat);
+      TORCH_CHECK(rkh.size(0) == rvh.size(0) && (rkh.numel() == 0 || (rkh.size(1) == d && rvh.size(1) == d)));
+      TORCH_CHECK(o[h] % group_k == 0 && o[h] <= o[h + 1]);
+      work.push_back(Head{q.data_ptr<float>() + (b * hq + h * L.groups) * d, out.data_ptr<float>() + (b * hq + h * L.groups) * d,
+                          kpb.data_ptr<uint8_t>(), ksb.data_ptr<at::Half>(), kzb.data_ptr<at::Half>(), ksb.size(1),
+                          vpb.data_ptr<uint8_t>(), vsb.data_ptr<at::Half>(), vzb.data_ptr<at::Half>(), o[h], o[h + 1],
+                          rkh.data_ptr<float>(), rvh.data_ptr<float>(), rkh.size(0)});
+    }
+    held.insert(held.end(), {kpb, ksb, kzb, vpb, vsb, vzb, offb});
+  }
+  at::parallel_for(0, (int64_t)work.size(), 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> codes(d), qs(L.groups * d), bias(L.groups), acc(L.groups * d), p;
+    for (int64_t w = w0; w < w1; ++w) attend(work[w], L, codes, qs, bias, acc, p);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode-step attention over packed KIVI codes and a residual");
+  m.def("decode_attention", &decode_attention,
+        "decode-step attention of B sequences over their packed KIVI codes and residual rows");
 }

@@ -18,7 +18,7 @@ expired block stay and the position mask hides them, so nothing is re-encoded as
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -129,16 +129,40 @@ class Scheme:
         """Whether `decode_attention` reads this scheme's codes for heads of `head_dim`."""
         return False
 
-    def decode_attention(self, query: Tensor, keys: Encoded, values: Encoded, offsets: Tensor, residual_keys: Tensor,
-                         residual_values: Tensor, residual_offsets: Tensor, scaling: float) -> Tensor:
-        """One query token's attention, query (Hq, D), over the flat-joined encoded rows (head h's: offsets[h]:offsets[h+1])
-        and the residual rows (R, D) likewise, read in place without decoding: (Hq, D). Called only where
+    def decode_attention(self, query: Tensor, rows: list[KernelRows], scaling: float) -> Tensor:
+        """A decode step of B sequences, query (B, Hq, D), each query head over its KV head's rows of its sequence
+        (`QuantizedRows.kernel_rows`, all visible), read in place without decoding: (B, Hq, D). Called only where
         `has_decode_kernel`; elsewhere the rows are decoded and attended by SDPA."""
         raise NotImplementedError
 
     @property
     def spec(self) -> str:
         return self.name
+
+
+class KernelRows(NamedTuple):
+    """What a decode kernel reads of one sequence's layer (`QuantizedRows.kernel_rows`): the KV heads' encoded rows
+    joined along rows, head h's at offsets[h]:offsets[h + 1], and each head's full-precision residual rows."""
+
+    keys: Encoded
+    values: Encoded
+    offsets: Tensor
+    residual_keys: list[Tensor]
+    residual_values: list[Tensor]
+
+
+def attend_in_place(rows: list[QuantizedRows], query: Tensor, scaling: float) -> Tensor:
+    """A decode step of B sequences' quantized layers (each `decodes_in_place`), query (B, Hq, D): rows whose codes one
+    kernel call reads alike (`kernel_key`) go together, parallel over sequences and heads. Returns (B, Hq, D)."""
+    calls: dict[tuple, list[int]] = {}
+    for b, r in enumerate(rows):
+        calls.setdefault(r.kernel_key(), []).append(b)
+    if len(calls) == 1:
+        return rows[0].scheme.decode_attention(query, [r.kernel_rows() for r in rows], scaling)
+    out = torch.empty_like(query)
+    for index in calls.values():
+        out[index] = rows[index[0]].scheme.decode_attention(query[index], [rows[b].kernel_rows() for b in index], scaling)
+    return out
 
 
 class QuantizedRows(Rows):
@@ -154,15 +178,17 @@ class QuantizedRows(Rows):
         self.qk: list[Encoded | None] = [None] * heads  # encoded rows, oldest first
         self.qv: list[Encoded | None] = [None] * heads
         self.pq = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(heads)]  # the encoded rows' positions
-        # residual rows, newest last; stored exactly (no spare rows: a short quantized cache must not hold more than raw)
-        self.res: Rows = empty_rows(heads, head_dim, dtype, device, value_dim, grow=0)
+        # residual rows, newest last; a full buffer grows by one block (`group` rows), so a decode step appends in place
+        # and the spare rows stay under a block (a short quantized cache must not hold more than raw)
+        self.res: Rows = empty_rows(heads, head_dim, dtype, device, value_dim, grow=scheme.group)
         self._join: tuple | None = None  # the heads' encoded rows joined (`_joined`)
 
     @classmethod
     def of(cls, scheme: Scheme, keys: list[Tensor], values: list[Tensor], positions: list[Tensor]) -> QuantizedRows:
         """These rows per head, encoded in blocks (the remainder stays in the residual)."""
         rows = cls(scheme, len(keys), keys[0].shape[-1], keys[0].dtype, keys[0].device, values[0].shape[-1])
-        rows.res = store_rows([k.clone() for k in keys], [v.clone() for v in values], [p.clone() for p in positions], grow=0)
+        rows.res = store_rows([k.clone() for k in keys], [v.clone() for v in values], [p.clone() for p in positions],
+                              grow=scheme.group)
         rows.flush()
         return rows
 
@@ -235,22 +261,25 @@ class QuantizedRows(Rows):
         return self.dtype == torch.float32 and any(p.numel() for p in self.pq) and \
             self.scheme.has_decode_kernel(self.res.kv_tensors()[0].shape[-1]) and self._joined(stacked=False) is not None
 
+    def kernel_key(self) -> tuple:
+        """Rows with equal keys can share one kernel call (`attend_in_place`): the scheme's kernel, bits and groups."""
+        keys, values = self._joined(stacked=False)[:2]
+        return type(self.scheme).decode_attention, keys.bits, keys.group, values.bits, values.group
+
+    def kernel_rows(self) -> KernelRows:
+        """What the decode kernel reads (views, nothing copied); only where `decodes_in_place()`."""
+        keys, values, _, _, offsets = self._joined(stacked=False)
+        res = self.res.heads()
+        return KernelRows(keys, values, offsets, [k for k, _, _ in res], [v for _, v, _ in res])
+
     def decode_attention(self, query: Tensor, scaling: float) -> Tensor:
         """A decode step's attention, query (1, Hq, 1, D), over every row held (each query head over its KV head's rows,
-        all visible) read where they are: the codes by the scheme's kernel (`Scheme.decode_attention`), nothing
-        decoded. (1, 1, Hq, D); only where `decodes_in_place()`."""
-        joined = self._joined(stacked=False)
-        res = self.res.heads()
-        counts = torch.tensor([0] + [p.numel() for p in self.pq]).cumsum(0)
-        res_counts = torch.tensor([0] + [p.numel() for _, _, p in res]).cumsum(0)
-        stacked = self.res.stacked()
-        rk, rv = (stacked[0].reshape(-1, stacked[0].shape[-1]), stacked[1].reshape(-1, stacked[1].shape[-1])) \
-            if stacked is not None else (torch.cat([k for k, _, _ in res]), torch.cat([v for _, v, _ in res]))
-        return self.scheme.decode_attention(query[0, :, 0], joined[0], joined[1], counts, rk, rv, res_counts, scaling)[None, None]
+        all visible) read where they are, nothing decoded: (1, 1, Hq, D); only where `decodes_in_place()`."""
+        return attend_in_place([self], query[:, :, 0], scaling)[:, None]
 
-    def _joined(self, stacked: bool) -> tuple[Encoded, Encoded, Tensor, Tensor] | None:
-        """The heads' encoded rows joined (`Scheme.join_heads`), their positions in the same layout and (flat) the KV
-        head of each row; made once after each change. The per-head rows become views of it: nothing is held twice."""
+    def _joined(self, stacked: bool) -> tuple[Encoded, Encoded, Tensor, Tensor, Tensor] | None:
+        """The heads' encoded rows joined (`Scheme.join_heads`), their positions in the same layout, (flat) the KV head
+        of each row and each head's first row (H + 1 offsets); made once after each change. The per-head rows become views of it: nothing is held twice."""
         if self._join is None or self._join[0] != stacked:
             keys = self.scheme.join_heads(self.qk, stacked)
             if keys is None:
@@ -259,7 +288,8 @@ class QuantizedRows(Rows):
             counts = [p.numel() for p in self.pq]
             self.qk, self.qv = self.scheme.split_heads(keys, counts, stacked), self.scheme.split_heads(values, counts, stacked)
             heads = torch.arange(len(counts), dtype=torch.int32).repeat_interleave(torch.tensor(counts))
-            self._join = (stacked, keys, values, torch.stack(self.pq) if stacked else torch.cat(self.pq), heads)
+            offsets = torch.tensor([0] + counts).cumsum(0)
+            self._join = (stacked, keys, values, torch.stack(self.pq) if stacked else torch.cat(self.pq), heads, offsets)
         return self._join[1:]
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
@@ -268,10 +298,10 @@ class QuantizedRows(Rows):
     def flush(self) -> None:
         """Encode every full block of residual rows older than the scheme's `residual` newest rows."""
         g = self.scheme.group
-        res = self.res.heads()
-        counts = [max(k.shape[0] - self.scheme.residual, 0) // g * g for k, _, _ in res]
-        if not any(counts):
+        counts = [max(n - self.scheme.residual, 0) // g * g for n in self.res.lengths()]
+        if not any(counts):  # (most decode steps: checked before any view of the rows is made)
             return
+        res = self.res.heads()
         if len(set(counts)) == 1:  # every head encodes as many rows: all in one pass
             n = counts[0]
             encoded = self.scheme.encode_heads(*(torch.stack([t[:n] for t in part]) for part in zip(*res)))
@@ -285,7 +315,7 @@ class QuantizedRows(Rows):
             self.qk[h] = k if self.qk[h] is None else self.qk[h].cat(k)
             self.qv[h] = v if self.qv[h] is None else self.qv[h].cat(v)
             self.pq[h] = torch.cat([self.pq[h], p[:n]])
-        self.res = store_rows(*([t[n:].clone() for t, n in zip(part, counts)] for part in zip(*res)), grow=0)
+        self.res = store_rows(*([t[n:].clone() for t, n in zip(part, counts)] for part in zip(*res)), grow=g)
         self._rejoin()
 
     def keep(self, indices: list[Tensor]) -> QuantizedRows:

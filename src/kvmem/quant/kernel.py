@@ -1,8 +1,9 @@
 """The decode-step attention kernel over packed codes (`attention.cpp`), built once per machine on first use.
 
 `decode_attention(...)` computes one query token's attention over KIVI-style encoded rows plus a full-precision
-residual without decoding the cache: the bytes a step reads are the codes (an eighth of float32 at 4 bits), where the
-PyTorch path (`pack.dequantize` into a buffer, then SDPA) writes and reads a float32 copy of every row each step.
+residual without decoding the cache, for every sequence of a batch in one call (parallel over sequences and heads:
+one call per layer-row left 3 KV heads to 2 threads): the bytes a step reads are the codes (an eighth of float32 at
+4 bits), where the PyTorch path (`pack.dequantize` into a buffer, then SDPA) writes and reads a float32 copy of every row each step.
 torch builds it with the system's C++ compiler and ninja into torch's extension cache (about a minute, once). Where it
 cannot be built, `available()` is False, the reason is logged once, and layers decode through PyTorch as before (the
 same arithmetic up to float summation order).
@@ -52,11 +53,13 @@ def available() -> bool:
     return _load() is not None
 
 
-def decode_attention(query: Tensor, keys, values, offsets: Tensor, residual_keys: Tensor, residual_values: Tensor,
-                     residual_offsets: Tensor, scaling: float) -> Tensor:
-    """query (Hq, D) float32; keys, values: `Quantized` rows of every KV head joined along rows (`pack.concat`, keys
-    grouped along rows, values along channels); offsets (H + 1,) int64: head h's rows are offsets[h]:offsets[h + 1];
-    the residual rows (R, D) float32 with their offsets likewise. Returns (Hq, D)."""
-    return _load().decode_attention(query, keys.packed, keys.scale, keys.zero, keys.bits, keys.group, values.packed,
-                                    values.scale, values.zero, values.bits, values.group, offsets, residual_keys,
-                                    residual_values, residual_offsets, scaling)
+def decode_attention(query: Tensor, keys: list, values: list, offsets: list[Tensor], residual_keys: list[Tensor],
+                     residual_values: list[Tensor], scaling: float) -> Tensor:
+    """A decode step of B sequences in one call, parallel over (sequence, KV head). query (B, Hq, D) float32; per
+    sequence b: keys[b], values[b], its KV heads' `Quantized` rows joined along rows (`pack.concat`; all sequences at
+    the same bits and groups), offsets[b] (H + 1,) int64 (head h's rows are offsets[h]:offsets[h + 1]); the residual
+    rows (R, D) float32 of sequence b's head h at residual_keys[b * H + h] (and values). Returns (B, Hq, D)."""
+    return _load().decode_attention(query, [k.packed for k in keys], [k.scale for k in keys], [k.zero for k in keys],
+                                    keys[0].bits, keys[0].group, [v.packed for v in values], [v.scale for v in values],
+                                    [v.zero for v in values], values[0].bits, values[0].group, offsets, residual_keys,
+                                    residual_values, scaling)

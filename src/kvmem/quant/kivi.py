@@ -61,11 +61,12 @@ class KIVI(Scheme):
         per_byte = 8 // value_bits if 8 % value_bits == 0 else 1
         return head_dim % 8 == 0 and head_dim % self.group == 0 and self.group % per_byte == 0 and kernel.available()
 
-    def decode_attention(self, query: Tensor, keys: Quantized, values: Quantized, offsets: Tensor, residual_keys: Tensor,
-                         residual_values: Tensor, residual_offsets: Tensor, scaling: float) -> Tensor:
+    def decode_attention(self, query: Tensor, rows: list, scaling: float) -> Tensor:
         from kvmem.quant import kernel
 
-        return kernel.decode_attention(query, keys, values, offsets, residual_keys, residual_values, residual_offsets, scaling)
+        return kernel.decode_attention(query, [r.keys for r in rows], [r.values for r in rows], [r.offsets for r in rows],
+                                       [k for r in rows for k in r.residual_keys],
+                                       [v for r in rows for v in r.residual_values], scaling)
 
     @property
     def spec(self) -> str:
