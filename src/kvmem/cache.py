@@ -209,7 +209,7 @@ class KVLayer(CacheLayerMixin):
         # What attention sees, taken before a sliding layer drops what later tokens cannot see.
         if self._decodes_in_place(new_pos):  # a quantized decode step: the codes are read where they are, not decoded
             kwargs["kvmem_decode"] = self.rows
-            keys, values, heads = key_states, value_states, None  # unread: the rows' decode_attention is used
+            keys, values, heads = key_states, value_states, None  # unread: attend_in_place reads the rows
         elif (stacked := self.rows.stacked()) is not None:  # every head equally long: (H, T, D), a view of dense storage
             keys, values, positions = stacked
             heads = list(zip(keys, values, positions))
@@ -240,11 +240,17 @@ class KVLayer(CacheLayerMixin):
         return keys, values
 
     def _decodes_in_place(self, new_pos: Tensor) -> bool:
-        """Whether this forward's attention can read the quantized rows in place (`QuantizedRows.decode_attention`):
-        one new token that sees every row, a scheme with a decode kernel, and nothing that needs the rows per head
-        (tracked attention, a compressor, row log-weights)."""
-        if self.quant is None or new_pos.numel() != 1 or self.log_weights is not None or self.compressor is not None \
-                or self.observation.track_attention or not getattr(self.rows, "decodes_in_place", lambda: False)():
+        """Whether this forward's attention reads the rows in place with the decode kernel (`attention.attend_in_place`):
+        one new token that sees every row, nothing that needs the rows per head (tracked attention, a compressor, row
+        log-weights), and either quantized rows of a scheme with a kernel or an evicted layer's float32 rows (an
+        uncompressed layer keeps transformers' SDPA: bit-identical to an uncompressed cache)."""
+        if new_pos.numel() != 1 or self.log_weights is not None or self.compressor is not None \
+                or self.observation.track_attention:
+            return False
+        if self.quant is not None:
+            if not getattr(self.rows, "decodes_in_place", lambda: False)():
+                return False
+        elif not self.compressed or self.dtype != torch.float32 or not _kernel_reads(self.rows.kv_tensors()):
             return False
         return not self.is_sliding or all(sees_all(p[None], new_pos, self.sliding_window) for p in self.rows.positions())
 
@@ -372,6 +378,14 @@ class KVLayer(CacheLayerMixin):
         self.log_weights = out[3]
         self.observation.inserted(at_index)
         self.compressed = True
+
+
+def _kernel_reads(kv: list[Tensor]) -> bool:
+    """Whether the decode kernel reads full-precision rows of these keys and values (head_dim a multiple of 8, keys
+    as wide as values)."""
+    from kvmem import kernel
+
+    return kv[0].shape[-1] % 8 == 0 and kv[0].shape[-1] == kv[-1].shape[-1] and kernel.available()
 
 
 def _first(mask: Tensor | None) -> Tensor | None:

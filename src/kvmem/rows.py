@@ -11,7 +11,9 @@ different rows (per-head budgets), so storage is per head. Every storage class k
   forward's attention reads;
 * `kv_tensors()` / `position_tensors()`: what is held, for `kvmem.cache.storage_bytes`;
 * `export_rows()` and `import_rows()`: rows in a portable form (per head tensors plus the codec's
-  metadata), the unit the chunk store keeps.
+  metadata), the unit the chunk store keeps;
+* `kernel_rows()`, `kernel_key()`, `attend_kernel()`: what the decode kernel (`kvmem.kernel`) reads where a decode
+  step attends the rows in place, several sequences in one call (`kvmem.attention.attend_in_place`).
 
 Two layouts, chosen by `store_rows`: `DenseRows` while all heads hold the same number of rows (one
 buffer, read by attention without a copy), `RaggedRows` once they differ (one exact buffer per head:
@@ -21,6 +23,7 @@ evicted rows are really gone).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,6 +44,17 @@ class ExportedRows:
 
     def lengths(self) -> list[int]:
         return [int(h["positions"].numel()) for h in self.heads]
+
+
+class KernelRows(NamedTuple):
+    """What the decode kernel reads of one sequence's layer: its KV heads' encoded rows joined along rows (head h's
+    at offsets[h]:offsets[h + 1]; None where nothing is encoded) and each head's full-precision rows, all views."""
+
+    keys: Any
+    values: Any
+    offsets: Tensor | None
+    residual_keys: list[Tensor]
+    residual_values: list[Tensor]
 
 
 class Rows:
@@ -91,6 +105,21 @@ class Rows:
 
     def export_rows(self) -> ExportedRows:
         return ExportedRows([{"keys": k.clone(), "values": v.clone(), "positions": p.clone()} for k, v, p in self.heads()])
+
+    # -- a decode step read in place by the kernel (full precision here; quantized rows override) --
+    def kernel_key(self) -> tuple:
+        """Rows with equal keys share one kernel call."""
+        return ("float32",)
+
+    def kernel_rows(self) -> KernelRows:
+        heads = self.heads()
+        return KernelRows(None, None, None, [k for k, _, _ in heads], [v for _, v, _ in heads])
+
+    def attend_kernel(self, query: Tensor, rows: list[KernelRows], scaling: float) -> Tensor:
+        """query (B, Hq, D) over B sequences' `kernel_rows` of this kind: (B, Hq, D)."""
+        from kvmem import kernel
+
+        return kernel.decode_attention(query, rows, scaling)
 
 
 class DenseRows(Rows):

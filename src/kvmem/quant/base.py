@@ -7,7 +7,7 @@ V, plus a full-precision residual: the newest `residual` rows and those that do 
 attended at full precision by that forward (as in KIVI and transformers' QuantizedCache) and held packed afterwards.
 
 How a forward reads them: a decode step of a scheme with a kernel (`Scheme.has_decode_kernel`: KIVI's codes,
-`kernel.py`) attends the codes in place (`QuantizedRows.decode_attention`); otherwise the heads are decoded into one
+`kvmem.kernel`) attends the codes in place (`kvmem.attention.attend_in_place`); otherwise the heads are decoded into one
 buffer, (H, T, D) when they hold as many rows (`stacked`) or one row axis when they do not (`flat`).
 
 Eviction composes: `keep()` on quantized rows decodes, selects and re-encodes the kept rows in new blocks
@@ -18,14 +18,14 @@ expired block stay and the position mask hides them, so nothing is re-encoded as
 
 from __future__ import annotations
 
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
 from kvmem.quant.encoded import EXPORT_FORMAT, flatten, unflatten
-from kvmem.rows import ExportedRows, Rows, empty_rows, store_rows
+from kvmem.rows import ExportedRows, KernelRows, Rows, empty_rows, store_rows
 
 
 class Encoded(Protocol):
@@ -140,31 +140,6 @@ class Scheme:
         return self.name
 
 
-class KernelRows(NamedTuple):
-    """What a decode kernel reads of one sequence's layer (`QuantizedRows.kernel_rows`): the KV heads' encoded rows
-    joined along rows, head h's at offsets[h]:offsets[h + 1], and each head's full-precision residual rows."""
-
-    keys: Encoded
-    values: Encoded
-    offsets: Tensor
-    residual_keys: list[Tensor]
-    residual_values: list[Tensor]
-
-
-def attend_in_place(rows: list[QuantizedRows], query: Tensor, scaling: float) -> Tensor:
-    """A decode step of B sequences' quantized layers (each `decodes_in_place`), query (B, Hq, D): rows whose codes one
-    kernel call reads alike (`kernel_key`) go together, parallel over sequences and heads. Returns (B, Hq, D)."""
-    calls: dict[tuple, list[int]] = {}
-    for b, r in enumerate(rows):
-        calls.setdefault(r.kernel_key(), []).append(b)
-    if len(calls) == 1:
-        return rows[0].scheme.decode_attention(query, [r.kernel_rows() for r in rows], scaling)
-    out = torch.empty_like(query)
-    for index in calls.values():
-        out[index] = rows[index[0]].scheme.decode_attention(query[index], [rows[b].kernel_rows() for b in index], scaling)
-    return out
-
-
 class QuantizedRows(Rows):
     """Per head: the encoded blocks (`qk`, `qv`) and their positions (`pq`), then the full-precision residual (`res`,
     a `DenseRows` while heads hold as many residual rows: a decode step appends in place, no copy of what is held).
@@ -262,20 +237,18 @@ class QuantizedRows(Rows):
             self.scheme.has_decode_kernel(self.res.kv_tensors()[0].shape[-1]) and self._joined(stacked=False) is not None
 
     def kernel_key(self) -> tuple:
-        """Rows with equal keys can share one kernel call (`attend_in_place`): the scheme's kernel, bits and groups."""
+        """Rows with equal keys share one kernel call: the scheme's kernel, bits and groups."""
         keys, values = self._joined(stacked=False)[:2]
         return type(self.scheme).decode_attention, keys.bits, keys.group, values.bits, values.group
 
     def kernel_rows(self) -> KernelRows:
-        """What the decode kernel reads (views, nothing copied); only where `decodes_in_place()`."""
+        """The codes and the residual (views, nothing copied); only where `decodes_in_place()`."""
         keys, values, _, _, offsets = self._joined(stacked=False)
         res = self.res.heads()
         return KernelRows(keys, values, offsets, [k for k, _, _ in res], [v for _, v, _ in res])
 
-    def decode_attention(self, query: Tensor, scaling: float) -> Tensor:
-        """A decode step's attention, query (1, Hq, 1, D), over every row held (each query head over its KV head's rows,
-        all visible) read where they are, nothing decoded: (1, 1, Hq, D); only where `decodes_in_place()`."""
-        return attend_in_place([self], query[:, :, 0], scaling)[:, None]
+    def attend_kernel(self, query: Tensor, rows: list[KernelRows], scaling: float) -> Tensor:
+        return self.scheme.decode_attention(query, rows, scaling)
 
     def _joined(self, stacked: bool) -> tuple[Encoded, Encoded, Tensor, Tensor, Tensor] | None:
         """The heads' encoded rows joined (`Scheme.join_heads`), their positions in the same layout, (flat) the KV head

@@ -54,7 +54,7 @@ class KIVI(Scheme):
         dequantize(values, out_values)
 
     def has_decode_kernel(self, head_dim: int) -> bool:
-        from kvmem.quant import kernel
+        from kvmem import kernel
 
         # the kernel reads a value group's codes per byte slot: the group must hold whole bytes of codes
         value_bits = getattr(self, "value_bits", self.bits)
@@ -62,11 +62,9 @@ class KIVI(Scheme):
         return head_dim % 8 == 0 and head_dim % self.group == 0 and self.group % per_byte == 0 and kernel.available()
 
     def decode_attention(self, query: Tensor, rows: list, scaling: float) -> Tensor:
-        from kvmem.quant import kernel
+        from kvmem import kernel
 
-        return kernel.decode_attention(query, [r.keys for r in rows], [r.values for r in rows], [r.offsets for r in rows],
-                                       [k for r in rows for k in r.residual_keys],
-                                       [v for r in rows for v in r.residual_values], scaling)
+        return kernel.decode_attention(query, rows, scaling)
 
     @property
     def spec(self) -> str:

@@ -1,4 +1,5 @@
-// Decode-step attention that reads KIVI-style codes in place (kvmem.quant.kernel): no decoded copy of the cache.
+// Decode-step attention of a batch of sequences (kvmem.kernel): KIVI-style codes read in place (no decoded copy of the
+// cache) and full-precision rows, every sequence and KV head in one call.
 //
 // One query token per query head attends every row its KV head holds: the encoded rows (keys quantized per channel in
 // groups of `group_k` rows, values per row in groups of `group_v` channels; `bits`-bit codes packed 8 per `bits` bytes,
@@ -168,7 +169,8 @@ void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vect
 // B sequences' decode step in one call, parallel over (sequence, KV head). q (B, Hq, D) float32. Per sequence b, its
 // KV heads' encoded rows joined along rows: kp[b] (N_b, D*kbits/8) uint8, ks/kz[b] (D, N_b/group_k) half, vp[b]
 // (N_b, D*vbits/8) uint8, vs/vz[b] (N_b, D/group_v) half, off[b] (H+1) int64 (head h's rows are [off[h], off[h+1]),
-// multiples of group_k); its residual rows per head: rk/rv[b * H + h] (R, D) float32. Returns (B, Hq, D) float32.
+// multiples of group_k), or every one of these lists empty (full-precision rows only); its full-precision rows per
+// head: rk/rv[b * H + h] (R, D) float32. Returns (B, Hq, D) float32.
 torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, std::vector<torch::Tensor> ks,
                                std::vector<torch::Tensor> kz, int64_t kbits, int64_t group_k, std::vector<torch::Tensor> vp,
                                std::vector<torch::Tensor> vs, std::vector<torch::Tensor> vz, int64_t vbits, int64_t group_v,
@@ -177,9 +179,13 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, s
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3);
   q = q.contiguous();
   const int64_t B = q.size(0), hq = q.size(1), d = q.size(2);
-  TORCH_CHECK(B >= 1 && (int64_t)kp.size() == B && (int64_t)off.size() == B && rk.size() == rv.size());
-  const int64_t heads = off[0].numel() - 1;
-  TORCH_CHECK(heads >= 1 && hq % heads == 0 && (int64_t)rk.size() == B * heads);
+  const bool coded = !kp.empty();
+  TORCH_CHECK(B >= 1 && rk.size() == rv.size() && (int64_t)rk.size() % B == 0);
+  TORCH_CHECK(!coded || ((int64_t)kp.size() == B && (int64_t)ks.size() == B && (int64_t)kz.size() == B &&
+                         (int64_t)vp.size() == B && (int64_t)vs.size() == B && (int64_t)vz.size() == B &&
+                         (int64_t)off.size() == B));
+  const int64_t heads = (int64_t)rk.size() / B;
+  TORCH_CHECK(heads >= 1 && hq % heads == 0);
   Layout L;
   L.d = d; L.groups = hq / heads; L.kbits = kbits; L.group_k = group_k; L.vbits = vbits; L.group_v = group_v;
   L.kstride = d * kbits / 8; L.vstride = d * vbits / 8; L.vcols = d / group_v;
@@ -199,22 +205,31 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, s
   std::vector<Head> work;
   work.reserve(B * heads);
   for (int64_t b = 0; b < B; ++b) {
-    auto kpb = ready(kp[b], torch::kByte), ksb = ready(ks[b], torch::kHalf), kzb = ready(kz[b], torch::kHalf);
-    auto vpb = ready(vp[b], torch::kByte), vsb = ready(vs[b], torch::kHalf), vzb = ready(vz[b], torch::kHalf);
-    auto offb = ready(off[b], torch::kLong);
-    TORCH_CHECK(offb.numel() == heads + 1 && kpb.size(1) == L.kstride && vpb.size(1) == L.vstride && ksb.size(0) == d);
-    const int64_t* o = offb.data_ptr<int64_t>();
-    TORCH_CHECK(o[heads] <= kpb.size(0) && o[heads] <= vpb.size(0));
+    Head head{};
+    const int64_t* o = nullptr;
+    if (coded) {
+      auto kpb = ready(kp[b], torch::kByte), ksb = ready(ks[b], torch::kHalf), kzb = ready(kz[b], torch::kHalf);
+      auto vpb = ready(vp[b], torch::kByte), vsb = ready(vs[b], torch::kHalf), vzb = ready(vz[b], torch::kHalf);
+      auto offb = ready(off[b], torch::kLong);
+      TORCH_CHECK(offb.numel() == heads + 1 && kpb.size(1) == L.kstride && vpb.size(1) == L.vstride && ksb.size(0) == d);
+      o = offb.data_ptr<int64_t>();
+      TORCH_CHECK(o[heads] <= kpb.size(0) && o[heads] <= vpb.size(0));
+      head.kp = kpb.data_ptr<uint8_t>(); head.ks = ksb.data_ptr<at::Half>(); head.kz = kzb.data_ptr<at::Half>();
+      head.kcols = ksb.size(1);
+      head.vp = vpb.data_ptr<uint8_t>(); head.vs = vsb.data_ptr<at::Half>(); head.vz = vzb.data_ptr<at::Half>();
+      held.insert(held.end(), {kpb, ksb, kzb, vpb, vsb, vzb, offb});
+    }
     for (int64_t h = 0; h < heads; ++h) {
       auto rkh = ready(rk[b * heads + h], torch::kFloat), rvh = ready(rv[b * heads + h], torch::kFloat);
       TORCH_CHECK(rkh.size(0) == rvh.size(0) && (rkh.numel() == 0 || (rkh.size(1) == d && rvh.size(1) == d)));
-      TORCH_CHECK(o[h] % group_k == 0 && o[h] <= o[h + 1]);
-      work.push_back(Head{q.data_ptr<float>() + (b * hq + h * L.groups) * d, out.data_ptr<float>() + (b * hq + h * L.groups) * d,
-                          kpb.data_ptr<uint8_t>(), ksb.data_ptr<at::Half>(), kzb.data_ptr<at::Half>(), ksb.size(1),
-                          vpb.data_ptr<uint8_t>(), vsb.data_ptr<at::Half>(), vzb.data_ptr<at::Half>(), o[h], o[h + 1],
-                          rkh.data_ptr<float>(), rvh.data_ptr<float>(), rkh.size(0)});
+      if (coded) TORCH_CHECK(o[h] % group_k == 0 && o[h] <= o[h + 1]);
+      head.q = q.data_ptr<float>() + (b * hq + h * L.groups) * d;
+      head.out = out.data_ptr<float>() + (b * hq + h * L.groups) * d;
+      head.e0 = coded ? o[h] : 0;
+      head.e1 = coded ? o[h + 1] : 0;
+      head.rk = rkh.data_ptr<float>(); head.rv = rvh.data_ptr<float>(); head.r = rkh.size(0);
+      work.push_back(head);
     }
-    held.insert(held.end(), {kpb, ksb, kzb, vpb, vsb, vzb, offb});
   }
   at::parallel_for(0, (int64_t)work.size(), 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> codes(d), qs(L.groups * d), bias(L.groups), acc(L.groups * d), p;
@@ -225,5 +240,5 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, s
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
-        "decode-step attention of B sequences over their packed KIVI codes and residual rows");
+        "decode-step attention of B sequences over their packed KIVI codes (if any) and full-precision rows");
 }
