@@ -18,7 +18,8 @@ with `ignore_eos`, so every request decodes exactly `max_tokens`:
 
 * `steps`: in-process, ms per decode step of 1, 4 and 16 rows of 1k tokens (equal lengths, and four different
   lengths), each row attending its own cache in place (`RowBatch`, what the scheduler runs) against the rows copied
-  into one padded batch (`BatchedCache`): the padding overhead; and of 16 rows held by each quantization scheme against full precision.
+  into one padded batch (`BatchedCache`): the padding overhead; and of 16 rows held by each quantization scheme
+  against full precision, and evicted to heads of different lengths, read by the kernel or by SDPA head by head.
 
 The server's /metrics are sampled every 0.25 s (rows in the batch, KV bytes held, preemptions). Everything goes to
 OUT/batching.json, written after each phase; `kvmem.eval.batching_report` makes OUT/report.md and the plots.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import platform
 import subprocess
@@ -54,6 +56,7 @@ MEMORY_CONFIGS = {  # name: the request's kvmem options
 }
 METRICS_EVERY_S = 0.25
 STEP_SCHEMES = ("kivi-8", "kivi-4", "kivi-2", "kvquant-3", "rotatekv-4")
+EVICTED_STEP = "snapkv:budget=adaptive"  # the steps part's ragged full-precision rows
 
 
 @contextmanager
@@ -117,13 +120,40 @@ def transformers_server(model: str, log: Path, threads: int) -> Iterator[dict]:
             proc.wait()
 
 
-async def _sample_metrics(base: str, t0: float, samples: list, stop: asyncio.Event) -> None:
-    """kvmem's batch gauges every METRICS_EVERY_S: [t, rows in the batch, KV bytes held, preemptions so far]."""
+def rss_bytes(pid: int) -> float:
+    """A process's resident memory (VmRSS), or nan where /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+def settled(server: dict, timeout_s: float = 60) -> dict:
+    """After a run: wait until the server holds no row and no KV (its gauges), then its RSS and what it still holds."""
+    deadline, m = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        try:
+            m = parse_prometheus(_get(server["base"] + "/metrics", 2)[1])
+            if not m.get("kvmem_batch_rows") and not m.get("kvmem_kv_bytes_held") and not m.get("kvmem_swapped_rows"):
+                break
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    return dict(rss=rss_bytes(server["pid"]), rows=m.get("kvmem_batch_rows"), kv_bytes=m.get("kvmem_kv_bytes_held"))
+
+
+async def _sample_metrics(base: str, t0: float, samples: list, stop: asyncio.Event, pid: int | None = None) -> None:
+    """kvmem's batch gauges every METRICS_EVERY_S: [t, rows in the batch, KV bytes held, preemptions so far, the
+    server's RSS bytes]."""
     while not stop.is_set():
         try:
             m = parse_prometheus((await asyncio.to_thread(_get, base + "/metrics", 2))[1])
             samples.append([round(time.perf_counter() - t0, 3), m.get("kvmem_batch_rows", 0.0),
-                            m.get("kvmem_kv_bytes_held", 0.0), m.get("kvmem_preemptions", 0.0)])
+                            m.get("kvmem_kv_bytes_held", 0.0), m.get("kvmem_preemptions", 0.0),
+                            rss_bytes(pid) if pid else math.nan])
         except (urllib.error.URLError, OSError, ValueError):
             pass
         try:
@@ -141,7 +171,8 @@ async def closed_loop(server: dict, system: str, questions: list[str], clients: 
     records, samples, stop = [], [], asyncio.Event()
     seq = iter(range(first, 10**9))
     t0 = time.perf_counter()
-    sampler = asyncio.create_task(_sample_metrics(server["base"], t0, samples, stop)) if kvmem_metrics else None
+    sampler = asyncio.create_task(_sample_metrics(server["base"], t0, samples, stop, server.get("pid"))) \
+        if kvmem_metrics else None
 
     async def loop(client_id: int, end_at: float) -> None:
         while time.perf_counter() < end_at:
@@ -248,8 +279,12 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
             args = ["--kv-budget", memory_budget, "--store", "memory", "--queue", str(4 * memory_clients)]
             with kvmem_server(model, args, out / f"server-memory-{name}.log", threads) as server:
                 _warm(server, system, 4, opts, log)
+                idle = settled(server)  # the model, the store's one compressed context, the kernel: before any load
                 run = asyncio.run(closed_loop(server, system, questions, memory_clients, memory_duration_s, max_tokens,
                                               opts, 0, True))
+                run["server_memory"] = dict(idle=idle, after=settled(server))
+            log(f"  server RSS {idle['rss'] / 2**20:.0f} MiB idle, {run['server_memory']['after']['rss'] / 2**20:.0f} MiB "
+                f"after the load ({run['server_memory']['after']['kv_bytes']} KV bytes still held)")
             ok = [r for r in run["requests"] if r["status"] == "ok"]
             log(f"  {len(ok)} ok of {len(run['requests'])}, "
                 f"{sum(r['completion_tokens'] for r in ok) / memory_duration_s:.1f} tokens/s")
@@ -270,8 +305,9 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
     """In-process, one model: ms per decode step of a batch of `rows` sequences of `length` tokens (a) with every row
     attending its own cache in place (`RowBatch`, what the scheduler runs) against the same rows copied into one
     padded batch (`BatchedCache`), rows of equal lengths and of four lengths (1, 1/2, 1/4, 1/8 of the tokens, by
-    streaming-llm; one position, which `BatchedCache` needs); (b) with every row's cache held by each quantization scheme, against full
-    precision. Rows are clones of one prefill; the order of the variants alternates over two rounds."""
+    streaming-llm; one position, which `BatchedCache` needs); (b) with every row's cache held by each quantization
+    scheme, against full precision, and evicted to heads of different lengths (`EVICTED_STEP` at 0.25), read by the
+    kernel or by SDPA. Rows are clones of one prefill; the order of the variants alternates over two rounds."""
     import torch
 
     from kvmem.batch import BatchedCache, RowBatch
@@ -285,8 +321,12 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
 
     torch.set_num_threads(threads)
     lm = load_model(model)
-    base = KVCache(lm.model.config, observe_window=0)
+    base = KVCache(lm.model.config)
     feed(lm, base, torch.randint(0, lm.tokenizer.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist())
+    evicted = base.clone()  # heads of different lengths, as kvzip's or an adaptive budget's: full precision, ragged
+    compress(evicted, get_method(EVICTED_STEP), 0.25)
+    evicted.drop_observations()
+    base.drop_observations()
 
     def packed(caches):
         batch = RowBatch(lm.model.config, caches)
@@ -330,11 +370,14 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
                                                tokens=[c.layers[0].lengths()[0] for c in caches]))
                     log(f"  {b:>2} rows ({lengths} lengths), {kind}: {ms:.1f} ms a step")
         # a scheme with a decode kernel also without it (decoded into a buffer, then SDPA): what the kernel buys
+        # and evicted rows of different lengths per head, read by the kernel and by SDPA head by head
+        head_dim = base.layers[0].rows.kv_tensors()[0].shape[-1]
         variants = [("full", None, True)] + [(s, s, True) for s in schemes] + [
-            (f"{s}, decoded then SDPA", s, False) for s in schemes if get_scheme(s, lm).has_decode_kernel(base.layers[0].rows.kv_tensors()[0].shape[-1])]
+            (f"{s}, decoded then SDPA", s, False) for s in schemes if get_scheme(s, lm).has_decode_kernel(head_dim)] + [
+            (f"{EVICTED_STEP}@0.25", "evicted", True), (f"{EVICTED_STEP}@0.25, SDPA head by head", "evicted", False)]
         for label, spec, kernel in variants[::1 if round_ == 0 else -1]:
-            caches = [base.clone() for _ in range(rows[-1])]
-            if spec is not None:
+            caches = [(evicted if spec == "evicted" else base).clone() for _ in range(rows[-1])]
+            if spec not in (None, "evicted"):
                 scheme = get_scheme(spec, lm)
                 caches = [c.quantize(scheme) for c in caches]
             kv = sum(c.kv_bytes() for c in caches)

@@ -75,7 +75,8 @@ def summary(run: dict) -> dict:
                 itl=bootstrap_median(itl), itl_p95=percentile(itl, 95),
                 cached=np.mean([r["cached_tokens"] or 0 for r in ok]) if ok else math.nan,
                 rows_mean=float(np.mean(rows)) if rows else math.nan, rows_max=max(rows) if rows else math.nan,
-                preemptions=max((m[3] for m in metrics), default=0.0), kv_max=max((m[2] for m in metrics), default=math.nan))
+                preemptions=max((m[3] for m in metrics), default=0.0), kv_max=max((m[2] for m in metrics), default=math.nan),
+                rss_max=max((m[4] for m in metrics if len(m) > 4 and not math.isnan(m[4])), default=math.nan))
 
 
 def _f(x: float, digits: int = 1) -> str:
@@ -194,13 +195,18 @@ def suite_score(options: dict, model: str, length: int = 4096, results: Path = P
 
 def memory_table(runs: list[dict], model: str) -> list[str]:
     lines = ["| cache | budget | mean / max rows decoding at once | output tokens/s [95% CI] | TTFT p50 s [95% CI] | "
-             "ITL p50 ms [95% CI] | preemptions | peak KV held MiB | finished / no token by the end / errors | "
-             "long-context score at 4k (committed suites) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p50 ms [95% CI] | preemptions | peak KV held MiB | server RSS MiB: idle / peak / after | "
+             "finished / no token by the end / errors | long-context score at 4k (committed suites) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = summary(r)
         itl = tuple(x * 1000 for x in s["itl"])
+        mem = r.get("server_memory")
+        rss = (f"{mem['idle']['rss'] / 2**20:.0f} / {s['rss_max'] / 2**20:.0f} / {mem['after']['rss'] / 2**20:.0f}"
+               + ("" if not mem["after"]["kv_bytes"] else f" ({mem['after']['kv_bytes'] / 2**20:.0f} MiB of KV left)")
+               if mem else "not measured")
         lines.append(f"| {r['config']} | {r['budget']} | {s['rows_mean']:.1f} / {s['rows_max']:.0f} | {_ci(s['tokens_s'])} | "
-                     f"{_ci(s['ttft'], 2)} | {_ci(itl, 0)} | {s['preemptions']:.0f} | {s['kv_max'] / 2**20:.0f} | "
+                     f"{_ci(s['ttft'], 2)} | {_ci(itl, 0)} | {s['preemptions']:.0f} | {s['kv_max'] / 2**20:.0f} | {rss} | "
                      f"{s['ok']} / {s['unserved']} / {s['errors']} | {suite_score(r['options'], model)} |")
     return lines
 
