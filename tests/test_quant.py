@@ -164,7 +164,8 @@ def test_ragged_quantized_heads_decode_in_one_pass_as_head_by_head(kind, request
 def test_the_decode_kernel_builds_and_reads_codes_as_they_decode():
     """The kernel (`kvmem.kernel`, built on first use) against decoding then attending in float32: two sequences
     in one call, heads of different lengths, 8/4/3/2-bit keys and values of different widths, residual rows (none in
-    one head); each query head reads its own KV head of its own sequence."""
+    one head), 1 to 5 query heads per KV head (the values' register path takes 1 to 4); each query head reads its own
+    KV head of its own sequence."""
     from kvmem import kernel
     from kvmem.quant.pack import concat
     from kvmem.rows import KernelRows
@@ -173,20 +174,21 @@ def test_the_decode_kernel_builds_and_reads_codes_as_they_decode():
     gen = torch.Generator().manual_seed(0)
     d, g = 64, 32
     shapes = [([96, 32, 160], [5, 0, 17]), ([32, 64, 32], [3, 9, 1])]  # per sequence: encoded and residual rows per head
-    for kbits, vbits in [(8, 8), (4, 4), (3, 3), (2, 2), (4, 2)]:
+    for (kbits, vbits), groups in zip([(8, 8), (4, 4), (3, 3), (2, 2), (4, 2), (8, 8), (4, 4), (8, 4)], [3, 3, 3, 3, 3, 4, 1, 5]):
         seqs = []
         for lengths, residual in shapes:
             keys, values = ([torch.randn(n, d, generator=gen) for n in lengths] for _ in range(2))
             seqs.append(([quantize(k, kbits, g, dim=0) for k in keys], [quantize(v, vbits, g, dim=1) for v in values],
                          [torch.randn(r, d, generator=gen) for r in residual],
                          [torch.randn(r, d, generator=gen) for r in residual], torch.tensor([0, *lengths]).cumsum(0)))
-        query = torch.randn(len(shapes), 9, d, generator=gen)
+        query = torch.randn(len(shapes), 3 * groups, d, generator=gen)
         out = kernel.decode_attention(query, [KernelRows(concat(qk, 0), concat(qv, 0), offsets, rk, rv)
                                               for qk, qv, rk, rv, offsets in seqs], 0.125)
-        want = torch.stack([torch.cat([torch.softmax(q[3 * h:3 * h + 3] @ torch.cat([dequantize(qk[h]), rk[h]]).T * 0.125, -1)
-                                       @ torch.cat([dequantize(qv[h]), rv[h]]) for h in range(3)])
+        want = torch.stack([torch.cat([torch.softmax(q[groups * h:groups * (h + 1)] @ torch.cat([dequantize(qk[h]), rk[h]]).T
+                                                     * 0.125, -1) @ torch.cat([dequantize(qv[h]), rv[h]]) for h in range(3)])
                             for q, (qk, qv, rk, rv, _) in zip(query, seqs)])
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    query = torch.randn(2, 9, d, generator=gen)
     # full-precision rows only (an evicted layer's heads of different lengths)
     rows = [KernelRows(None, None, None, *([torch.randn(n, d, generator=gen) for n in (7, 40, 1)] for _ in range(2)))
             for _ in range(2)]

@@ -96,6 +96,56 @@ struct Layout {
   float scale;
 };
 
+// The values of the encoded rows, p * (code * scale + zero) summed over rows into acc (groups, d) in planar order, with
+// every query head's accumulator in registers: 16 planar lanes at a time (one plane's bytes, all of one value group),
+// row by row, codes converted straight from their bytes; the zero-points' share, sum_t p * zero per group, apart.
+// Where a chunk of 16 lanes would span two value groups (or 3-bit codes, or more than 4 query heads per KV head), or
+// without AVX-512, false: the generic loop serves.
+template <int G>
+void values_chunked(const Head& x, const Layout& L, const float* p, int64_t n, float* acc) {
+#if defined(__AVX512F__)
+  const int64_t ne = x.e1 - x.e0, chunks = L.d / 16;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t plane = (c * 16) / L.vw, b0 = (c * 16) % L.vw, g = b0 / L.span;
+    const int shift = static_cast<int>(plane * L.vbits);
+    __m512 a[G];
+    for (int j = 0; j < G; ++j) a[j] = _mm512_setzero_ps();
+    const uint8_t* row = x.vp + x.e0 * L.vstride + b0;
+    const at::Half* sc = x.vs + x.e0 * L.vcols + g;
+    for (int64_t t = 0; t < ne; ++t, row += L.vstride, sc += L.vcols) {
+      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+      if (L.vbits == 4) bytes = _mm_and_si128(_mm_srli_epi16(bytes, shift), low);
+      const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), _mm512_set1_ps(f32(*sc)));
+      for (int j = 0; j < G; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * n + t]), v, a[j]);
+    }
+    for (int j = 0; j < G; ++j) _mm512_storeu_ps(acc + j * L.d + c * 16, a[j]);
+  }
+  // the zero-points: every channel of value group g gets sum_t p * zero[t, g]
+  std::vector<float> zsum(G * L.vgroups, 0.f);
+  for (int64_t t = 0; t < ne; ++t)
+    for (int64_t g = 0; g < L.vgroups; ++g) {
+      const float z = f32(x.vz[(x.e0 + t) * L.vcols + g]);
+      for (int j = 0; j < G; ++j) zsum[j * L.vgroups + g] += p[j * n + t] * z;
+    }
+  for (int j = 0; j < G; ++j)
+    for (int64_t i = 0; i < L.d; ++i) acc[j * L.d + i] += zsum[j * L.vgroups + (i % L.vw) / L.span];
+#endif
+}
+
+bool values_in_registers(const Head& x, const Layout& L, const float* p, int64_t n, float* acc) {
+#if defined(__AVX512F__)
+  if ((L.vbits != 8 && L.vbits != 4) || L.span % 16 || L.vw % 16) return false;
+  switch (L.groups) {
+    case 1: values_chunked<1>(x, L, p, n, acc); return true;
+    case 2: values_chunked<2>(x, L, p, n, acc); return true;
+    case 3: values_chunked<3>(x, L, p, n, acc); return true;
+    case 4: values_chunked<4>(x, L, p, n, acc); return true;
+  }
+#endif
+  return false;
+}
+
 void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vector<float>& qs, std::vector<float>& bias,
             std::vector<float>& acc, std::vector<float>& p) {
   const int64_t d = L.d, groups = L.groups, ne = x.e1 - x.e0, n = ne + x.r;
@@ -130,7 +180,8 @@ void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vect
     total[j] = s;
   }
   std::fill(acc.begin(), acc.end(), 0.f);  // values of the encoded rows, accumulated in planar order
-  for (int64_t t = x.e0; t < x.e1; ++t) {
+  const bool done = x.e1 > x.e0 && values_in_registers(x, L, p.data(), n, acc.data());
+  for (int64_t t = done ? x.e1 : x.e0; t < x.e1; ++t) {  // the generic loop, where the registers' one does not apply
     unpack_planes(x.vp + t * L.vstride, L.vbits, L.VP, L.vw, codes.data());
     for (int64_t j = 0; j < groups; ++j) {
       const float pt = p[j * n + (t - x.e0)];

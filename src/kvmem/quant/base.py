@@ -374,5 +374,5 @@ class QuantizedRows(Rows):
             out.qk[h], out.qv[h] = qk, qv
             out.pq[h] = p[:encoded].clone()
             residual.append((tensors["residual_keys"], tensors["residual_values"], p[encoded:]))
-        out.res = store_rows(*map(list, zip(*residual)), grow=0)
+        out.res = store_rows(*map(list, zip(*residual)), grow=scheme.group)
         return out

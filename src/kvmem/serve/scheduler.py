@@ -28,6 +28,9 @@ quantization and ragged heads; the weights are read once for all of them).
   disk tier (`kvmem.store.swap`: the rows as held, quantized ones still encoded, checksummed) until the rest fit,
   and swapped rows resume, oldest first, before any new request starts. The last running row is never preempted.
 
+When the last row has left, the heap the caches used is handed back to the OS (`return_freed_memory`), so the
+server's RSS returns towards where it was before the load.
+
 Greedy outputs do not depend on the batch: each row's attention reads only its own rows, and the batched linear
 layers give the tokens a request gets alone (tests check it on both model families, for full, evicted, ragged and
 quantized caches). Embedding requests run beside the scheduler on one thread of their own.
@@ -36,6 +39,7 @@ quantized caches). Embedding requests run beside the scheduler on one thread of 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
 import shutil
 import tempfile
@@ -59,6 +63,16 @@ from kvmem.serve.engine import (Busy, Event, Job, Stopped, Stream, prefill_job, 
                                 until_last)
 from kvmem.store.swap import pack_cache, unpack_cache
 from kvmem.store.tiers import DiskTier
+
+
+def return_freed_memory() -> None:
+    """Hand the heap that freed caches leave in glibc's arenas back to the OS (`malloc_trim`): without it a server's
+    RSS stays at its peak after a load (measured: +690 MiB after 16 clients of kivi-4 at 4k, all KV freed). Nothing
+    where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass(eq=False)
@@ -108,6 +122,7 @@ class Scheduler:
         self._kept_share: dict[tuple, float] = {}  # measured kept / full-cache estimate, per configuration
         self._ends = end_ids(lm)
         self._mean_s = 1.0  # running mean of a request's duration, for Retry-After
+        self._idle_trimmed = True
         self._wake = threading.Condition()
         self._stopped = False
         self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmem-embed")
@@ -186,7 +201,11 @@ class Scheduler:
             self._start(request)
         elif self.rows:
             self._step()
+            self._idle_trimmed = False
         else:
+            if not self._idle_trimmed:  # the load is over: what the rows held goes back to the OS
+                return_freed_memory()
+                self._idle_trimmed = True
             with self._wake:
                 if not self.queue and not self._stopped:
                     self._wake.wait(0.5)
