@@ -120,19 +120,13 @@ def transformers_server(model: str, log: Path, threads: int) -> Iterator[dict]:
             proc.wait()
 
 
-def rss_bytes(pid: int) -> float:
-    """A process's resident memory (VmRSS), or nan where /proc does not say."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return math.nan
+RSS = "process_resident_memory_bytes"
+STORE_BYTES = 'kvmem_store_bytes{tier="memory"}'
 
 
 def settled(server: dict, timeout_s: float = 60) -> dict:
-    """After a run: wait until the server holds no row and no KV (its gauges), then its RSS and what it still holds."""
+    """After a run: wait until the server holds no row and no KV (its gauges), then its RSS, the KV and the bytes its
+    store's memory tier still hold."""
     deadline, m = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
         try:
@@ -142,10 +136,11 @@ def settled(server: dict, timeout_s: float = 60) -> dict:
         except (urllib.error.URLError, OSError, ValueError):
             pass
         time.sleep(0.5)
-    return dict(rss=rss_bytes(server["pid"]), rows=m.get("kvmem_batch_rows"), kv_bytes=m.get("kvmem_kv_bytes_held"))
+    return dict(rss=m.get(RSS, math.nan), rows=m.get("kvmem_batch_rows"), kv_bytes=m.get("kvmem_kv_bytes_held"),
+                store_bytes=m.get(STORE_BYTES, math.nan))
 
 
-async def _sample_metrics(base: str, t0: float, samples: list, stop: asyncio.Event, pid: int | None = None) -> None:
+async def _sample_metrics(base: str, t0: float, samples: list, stop: asyncio.Event) -> None:
     """kvmem's batch gauges every METRICS_EVERY_S: [t, rows in the batch, KV bytes held, preemptions so far, the
     server's RSS bytes]."""
     while not stop.is_set():
@@ -153,7 +148,7 @@ async def _sample_metrics(base: str, t0: float, samples: list, stop: asyncio.Eve
             m = parse_prometheus((await asyncio.to_thread(_get, base + "/metrics", 2))[1])
             samples.append([round(time.perf_counter() - t0, 3), m.get("kvmem_batch_rows", 0.0),
                             m.get("kvmem_kv_bytes_held", 0.0), m.get("kvmem_preemptions", 0.0),
-                            rss_bytes(pid) if pid else math.nan])
+                            m.get(RSS, math.nan)])
         except (urllib.error.URLError, OSError, ValueError):
             pass
         try:
@@ -171,8 +166,7 @@ async def closed_loop(server: dict, system: str, questions: list[str], clients: 
     records, samples, stop = [], [], asyncio.Event()
     seq = iter(range(first, 10**9))
     t0 = time.perf_counter()
-    sampler = asyncio.create_task(_sample_metrics(server["base"], t0, samples, stop, server.get("pid"))) \
-        if kvmem_metrics else None
+    sampler = asyncio.create_task(_sample_metrics(server["base"], t0, samples, stop)) if kvmem_metrics else None
 
     async def loop(client_id: int, end_at: float) -> None:
         while time.perf_counter() < end_at:
@@ -283,8 +277,10 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
                 run = asyncio.run(closed_loop(server, system, questions, memory_clients, memory_duration_s, max_tokens,
                                               opts, 0, True))
                 run["server_memory"] = dict(idle=idle, after=settled(server))
-            log(f"  server RSS {idle['rss'] / 2**20:.0f} MiB idle, {run['server_memory']['after']['rss'] / 2**20:.0f} MiB "
-                f"after the load ({run['server_memory']['after']['kv_bytes']} KV bytes still held)")
+            after = run["server_memory"]["after"]
+            log(f"  server RSS {idle['rss'] / 2**20:.0f} MiB idle, {after['rss'] / 2**20:.0f} MiB after the load "
+                f"({after['kv_bytes']} KV bytes still held; the store's memory tier {idle['store_bytes'] / 2**20:.0f} -> "
+                f"{after['store_bytes'] / 2**20:.0f} MiB)")
             ok = [r for r in run["requests"] if r["status"] == "ok"]
             log(f"  {len(ok)} ok of {len(run['requests'])}, "
                 f"{sum(r['completion_tokens'] for r in ok) / memory_duration_s:.1f} tokens/s")

@@ -195,16 +195,21 @@ def suite_score(options: dict, model: str, length: int = 4096, results: Path = P
 
 def memory_table(runs: list[dict], model: str) -> list[str]:
     lines = ["| cache | budget | mean / max rows decoding at once | output tokens/s [95% CI] | TTFT p50 s [95% CI] | "
-             "ITL p50 ms [95% CI] | preemptions | peak KV held MiB | server RSS MiB: idle / peak / after | "
+             "ITL p50 ms [95% CI] | preemptions | peak KV held MiB | server RSS MiB: idle / peak / after (store's memory tier) | "
              "finished / no token by the end / errors | long-context score at 4k (committed suites) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = summary(r)
         itl = tuple(x * 1000 for x in s["itl"])
         mem = r.get("server_memory")
-        rss = (f"{mem['idle']['rss'] / 2**20:.0f} / {s['rss_max'] / 2**20:.0f} / {mem['after']['rss'] / 2**20:.0f}"
-               + ("" if not mem["after"]["kv_bytes"] else f" ({mem['after']['kv_bytes'] / 2**20:.0f} MiB of KV left)")
-               if mem else "not measured")
+        rss = "not measured"
+        if mem:
+            idle, after = mem["idle"], mem["after"]
+            rss = f"{idle['rss'] / 2**20:.0f} / {s['rss_max'] / 2**20:.0f} / {after['rss'] / 2**20:.0f}"
+            if after["kv_bytes"]:
+                rss += f" ({after['kv_bytes'] / 2**20:.0f} MiB of KV left)"
+            if not math.isnan(after.get("store_bytes", math.nan)):
+                rss += f"; store {idle['store_bytes'] / 2**20:.0f} -> {after['store_bytes'] / 2**20:.0f}"
         lines.append(f"| {r['config']} | {r['budget']} | {s['rows_mean']:.1f} / {s['rows_max']:.0f} | {_ci(s['tokens_s'])} | "
                      f"{_ci(s['ttft'], 2)} | {_ci(itl, 0)} | {s['preemptions']:.0f} | {s['kv_max'] / 2**20:.0f} | {rss} | "
                      f"{s['ok']} / {s['unserved']} / {s['errors']} | {suite_score(r['options'], model)} |")

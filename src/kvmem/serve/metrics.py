@@ -5,13 +5,14 @@ Requests by endpoint and status; time to first token (from arrival, queueing inc
 token as histograms; prompt, reused and completion tokens; queue depth, running requests and the KV bytes the
 running requests hold (measured from their caches); the chunk store's lookups per tier (a lookup that misses a
 tier goes on to the next: a hit on tier i is a miss on every tier before it) and its other events (writes,
-corrupt chunks, full or unreachable tiers); the process's memory (`process_resident_memory_bytes`).
+corrupt chunks, full or unreachable tiers) and the bytes its in-process tier holds; the process's memory
+(`process_resident_memory_bytes`).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
@@ -36,6 +37,11 @@ class _StoreCollector:
         for event in ("write", "corrupt", "unavailable", "full", "readonly"):
             events.add_metric([event], stats.get(event, 0))
         yield events
+        held = GaugeMetricFamily("kvmem_store_bytes", "Bytes held by the store's in-process tiers", labels=["tier"])
+        for tier in self.store.tiers:
+            if tier.name == "memory":
+                held.add_metric([tier.name], tier.nbytes)
+        yield held
 
 
 class Metrics:
