@@ -259,7 +259,8 @@ class KVLayer(CacheLayerMixin):
         axis (`QuantizedRows.flat`): keys and values (1, 1, N, D) and which rows each KV head's queries may see
         (H, Q, N). None where the rows are not quantized or cannot be joined, or where the scorers need the rows per
         head (tracked attention, a compressor, row log-weights): then attention runs head by head."""
-        # (full-precision ragged rows stay head by head: copying them onto one axis every step measured 1.2x slower)
+        # (full-precision ragged rows stay head by head here, in forwards the kernel does not take: copying them onto one
+        # axis every step measured 1.2x slower)
         if self.quant is None or self.log_weights is not None or self.compressor is not None \
                 or self.observation.track_attention or not hasattr(self.rows, "flat"):
             return None
