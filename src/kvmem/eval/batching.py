@@ -122,16 +122,21 @@ def transformers_server(model: str, log: Path, threads: int) -> Iterator[dict]:
 
 RSS = "process_resident_memory_bytes"
 STORE_BYTES = 'kvmem_store_bytes{tier="memory"}'
+IDLE_S = 3.0  # the scheduler's idle turn comes within 0.5 s of its last row leaving
 
 
 def settled(server: dict, timeout_s: float = 60) -> dict:
-    """After a run: wait until the server holds no row and no KV (its gauges), then its RSS, the KV and the bytes its
-    store's memory tier still hold."""
+    """After a run: wait until the server holds no row and no KV (its gauges), then, once its scheduler has had
+    `IDLE_S` to go idle (the freed heap goes back to the OS on its first idle turn: read before it, RSS still shows
+    the peak), its RSS, the KV and the bytes its store's memory tier still hold."""
     deadline, m = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
         try:
             m = parse_prometheus(_get(server["base"] + "/metrics", 2)[1])
-            if not m.get("kvmem_batch_rows") and not m.get("kvmem_kv_bytes_held") and not m.get("kvmem_swapped_rows"):
+            if not m.get("kvmem_batch_rows") and not m.get("kvmem_kv_bytes_held") and not m.get("kvmem_swapped_rows") \
+                    and not m.get("kvmem_queue_depth"):
+                time.sleep(IDLE_S)
+                m = parse_prometheus(_get(server["base"] + "/metrics", 2)[1])
                 break
         except (urllib.error.URLError, OSError, ValueError):
             pass
