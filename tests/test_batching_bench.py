@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvmem.eval.batching_report import (memory_targets, suite_score, summary, sweep_targets, throughput, throughput_ratio,
+from kvmem.eval.batching_report import (memory_targets, score_verdict, suite_score, summary, sweep_targets, throughput, throughput_ratio,
                                         window_tokens, write_report)
 
 
@@ -79,7 +79,12 @@ def test_suite_scores_are_read_from_the_committed_results(tmp_path):
                                                           options={"method": "kvzip", "keep_ratio": 0.5, "quant": "kivi-4"},
                                                           metrics=[[1.0, 9, 1e8, 0]])
     line = memory_targets([full, both], "m", results=tmp_path)[0]
-    assert "9.0x the sequences" in line and "score 98% of the full cache's" in line and "goal >= 95 %: met" in line
+    # a paired difference whose CI reaches below -5 % of the full cache's score (-0.05 < -0.0475) shows nothing
+    assert "9.0x the sequences" in line and "score 98% of the full cache's" in line and "goal >= 95 %: not shown" in line
+    assert score_verdict(dict(full=0.95, score=[0.93, 0.87, 0.97], diff=[-0.02, -0.04, 0.0])) == "met"
+    assert score_verdict(dict(full=0.97, score=[0.80, 0.67, 0.93], diff=[-0.17, -0.30, -0.07])) == "not met"
+    assert score_verdict(dict(full=0.92, score=[0.88, 0.81, 0.93], diff=None)) == (
+        "met by the point estimate (no paired difference in that suite)")
 
 
 @pytest.mark.parametrize("with_steps", [False, True])
