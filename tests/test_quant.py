@@ -247,6 +247,26 @@ def test_bytes_held_are_the_packed_codes_scales_and_residual(tiny_llama):
     assert not any(layer.compressed for layer in cache.layers)
 
 
+def test_bytes_held_by_joined_codes_are_the_bytes_held_head_by_head():
+    """Heads of different lengths, codes joined for the kernel, decode steps flushing blocks: the joined tensors
+    `kv_tensors` lists hold exactly the storages every head's codes are views of (nothing missed, nothing twice)."""
+    from kvmem.cache import storage_bytes
+    from kvmem.quant.base import QuantizedRows
+
+    g = torch.Generator().manual_seed(0)
+    n = (70, 41, 99)
+    rows = QuantizedRows.of(get_scheme("kivi-4:group=8:residual=8"), [torch.randn(k, 16, generator=g) for k in n],
+                            [torch.randn(k, 16, generator=g) for k in n], [torch.arange(k, dtype=torch.int32) for k in n])
+    for step in range(20):
+        rows._joined(stacked=False)
+        per_head = [t for q in (*rows.qk, *rows.qv) if q is not None for t in q.tensors()] + rows.res.kv_tensors()
+        assert storage_bytes(rows.kv_tensors()) == storage_bytes(per_head)
+        rows.append(torch.randn(3, 1, 16, generator=g), torch.randn(3, 1, 16, generator=g),
+                    torch.tensor([200 + step], dtype=torch.int32))
+        rows.flush()
+    assert [len(p) for p in rows.positions()] == [k + 20 for k in n]
+
+
 def test_quantization_composes_with_eviction_and_generate(tiny_llama):
     ids = random_ids(80, 3)
     _, cache = run(tiny_llama, ids, quant="kivi-4:group=8:residual=8", observe_window=32)

@@ -17,7 +17,7 @@ from kvmem.compress import BUDGETS, METHODS, Compressor, ModelContext, compress,
 from kvmem.errors import KVMemError
 from kvmem.generate import answer, feed, new_cache
 from kvmem.rope import move, rope_frequencies, rotate, unrotate
-from kvmem.rows import DenseRows, ExportedRows, RaggedRows
+from kvmem.rows import DenseRows, ExportedRows, PaddedRows, RaggedRows
 
 
 def random_ids(n: int, seed: int) -> torch.Tensor:
@@ -98,6 +98,30 @@ def test_rows_hold_exactly_what_is_kept(tiny_llama):
 
 
 # -- RoPE ----------------------------------------------------------------------------------------------
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=4), st.lists(st.integers(1, 3), min_size=1, max_size=6),
+       st.integers(0, 8))
+@settings(max_examples=40, deadline=None)
+def test_padded_rows_hold_what_ragged_rows_hold(lengths, appends, grow):
+    """A quantized layer's residual (`PaddedRows`: one buffer, one write per append) holds exactly the rows of
+    per-head buffers, through appends that fill and grow it; the padding is counted in what it holds."""
+    g = torch.Generator().manual_seed(sum(lengths) + len(appends))
+    made = [(torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g), torch.arange(n, dtype=torch.int32))
+            for n in lengths]
+    parts = [list(x) for x in zip(*made)]
+    padded, ragged = PaddedRows(*parts, grow=grow), RaggedRows(*[[t.clone() for t in p] for p in parts], lengths, grow)
+    at = max(lengths)
+    for q in appends:
+        k, v = torch.randn(len(lengths), q, 8, generator=g), torch.randn(len(lengths), q, 8, generator=g)
+        pos = torch.arange(at, at + q, dtype=torch.int32)
+        padded.append(k, v, pos)
+        ragged.append(k, v, pos)
+        at += q
+    assert padded.lengths() == ragged.lengths()
+    for (pk, pv, pp), (rk, rv, rp) in zip(padded.heads(), ragged.heads()):
+        assert torch.equal(pk, rk) and torch.equal(pv, rv) and torch.equal(pp, rp)
+    assert sum(t.nbytes for t in padded.kv_tensors()) >= 2 * 8 * 4 * max(padded.lengths()) * len(lengths)
+
+
 def test_rope_round_trip_and_move():
     freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     k, p = torch.randn(2, 6, 16), torch.tensor([0, 1, 5, 90, 1000, 8000])

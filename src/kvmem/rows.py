@@ -15,9 +15,10 @@ different rows (per-head budgets), so storage is per head. Every storage class k
 * `kernel_rows()`, `kernel_key()`, `attend_kernel()`: what the decode kernel (`kvmem.kernel`) reads where a decode
   step attends the rows in place, several sequences in one call (`kvmem.attention.attend_in_place`).
 
-Two layouts, chosen by `store_rows`: `DenseRows` while all heads hold the same number of rows (one
+Layouts, chosen by `store_rows`: `DenseRows` while all heads hold the same number of rows (one
 buffer, read by attention without a copy), `RaggedRows` once they differ (one exact buffer per head:
-evicted rows are really gone).
+evicted rows are really gone), and `PaddedRows` for short rows of different lengths (a quantized layer's
+residual: one buffer, one write a decode step).
 """
 
 from __future__ import annotations
@@ -188,6 +189,48 @@ class RaggedRows(Rows):
         return list(self.p)
 
 
+class PaddedRows(Rows):
+    """Heads of different but short lengths (a quantized layer's full-precision residual: under a block or two
+    each) in one (H, capacity, D) buffer: a decode step appends to every head in one indexed write, where
+    `RaggedRows` writes head by head. The padding (capacity past a head's rows) is held, and counted."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: list[Tensor], grow: int = GROW):
+        self.n = [k.shape[0] for k in keys]
+        cap = max(self.n) + grow
+        self.k = keys[0].new_empty((len(keys), cap, keys[0].shape[-1]))
+        self.v = values[0].new_empty((len(values), cap, values[0].shape[-1]))
+        self.p = positions[0].new_empty((len(positions), cap))
+        for h, (k, v, p, n) in enumerate(zip(keys, values, positions, self.n)):
+            self.k[h, :n], self.v[h, :n], self.p[h, :n] = k, v, p
+        self.grow = grow
+
+    def lengths(self) -> list[int]:
+        return list(self.n)
+
+    def heads(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        return [(self.k[h, :n], self.v[h, :n], self.p[h, :n]) for h, n in enumerate(self.n)]
+
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        heads, q = keys.shape[:2]
+        if max(self.n) + q > self.k.shape[1]:
+            spare = q + self.grow
+            grow = lambda t: torch.cat([t, t.new_empty((t.shape[0], spare, *t.shape[2:]))], dim=1)  # noqa: E731
+            self.k, self.v, self.p = grow(self.k), grow(self.v), grow(self.p)
+        cap = self.k.shape[1]
+        # each head's next free rows in the buffers seen as (H * capacity) rows: one index_copy_ per tensor
+        at = (torch.tensor([h * cap + n for h, n in enumerate(self.n)])[:, None] + torch.arange(q)).flatten()
+        self.k.view(-1, self.k.shape[-1]).index_copy_(0, at, keys.reshape(heads * q, -1))
+        self.v.view(-1, self.v.shape[-1]).index_copy_(0, at, values.reshape(heads * q, -1))
+        self.p.view(-1).index_copy_(0, at, positions.repeat(heads))
+        self.n = [n + q for n in self.n]
+
+    def kv_tensors(self) -> list[Tensor]:
+        return [self.k, self.v]
+
+    def position_tensors(self) -> list[Tensor]:
+        return [self.p]
+
+
 def empty_rows(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, value_dim: int | None = None,
                grow: int = GROW) -> DenseRows:
     return DenseRows(torch.empty((heads, 0, head_dim), dtype=dtype, device=device),
@@ -195,12 +238,16 @@ def empty_rows(heads: int, head_dim: int, dtype: torch.dtype, device: torch.devi
                      torch.empty((heads, 0), dtype=torch.int32, device=device), 0, grow)
 
 
-def store_rows(keys: list[Tensor], values: list[Tensor], positions: list[Tensor], grow: int = GROW) -> Rows:
-    """Exactly these rows per head: dense if every head holds as many, ragged otherwise; `grow` free rows are added
-    whenever appends fill the buffers (0: every append reallocates to the exact size)."""
+def store_rows(keys: list[Tensor], values: list[Tensor], positions: list[Tensor], grow: int = GROW,
+               padded: bool = False) -> Rows:
+    """Exactly these rows per head: dense if every head holds as many, ragged otherwise (`padded`: in one buffer,
+    for short rows); `grow` free rows are added whenever appends fill the buffers (0: every append reallocates to
+    the exact size)."""
     n = [k.shape[0] for k in keys]
     if len(set(n)) == 1:
         return DenseRows(torch.stack(keys), torch.stack(values), torch.stack(positions), n[0], grow)
+    if padded:
+        return PaddedRows(keys, values, positions, grow)
     return RaggedRows([_own(k) for k in keys], [_own(v) for v in values], [_own(p) for p in positions], n, grow)
 
 

@@ -113,7 +113,8 @@ class Scheme:
     # implements these three; the others decode head by head (`decode_heads`).
     def join_heads(self, parts: list[Encoded | None], stacked: bool) -> Encoded | None:
         """The heads' encoded rows joined: stacked (H, n, ...) when they hold as many, else concatenated along rows
-        in head order (None parts hold no rows); None where the scheme does not join its codes."""
+        in the order given (head order; a head may come in several consecutive parts; None parts hold no rows); None
+        where the scheme does not join its codes."""
         return None
 
     def split_heads(self, joined: Encoded, counts: list[int], stacked: bool) -> list[Encoded | None]:
@@ -250,14 +251,17 @@ class QuantizedRows(Rows):
     def attend_kernel(self, query: Tensor, rows: list[KernelRows], scaling: float) -> Tensor:
         return self.scheme.decode_attention(query, rows, scaling)
 
-    def _joined(self, stacked: bool) -> tuple[Encoded, Encoded, Tensor, Tensor, Tensor] | None:
+    def _joined(self, stacked: bool, parts: tuple[list, list] | None = None
+                ) -> tuple[Encoded, Encoded, Tensor, Tensor, Tensor] | None:
         """The heads' encoded rows joined (`Scheme.join_heads`), their positions in the same layout, (flat) the KV head
-        of each row and each head's first row (H + 1 offsets); made once after each change. The per-head rows become views of it: nothing is held twice."""
+        of each row and each head's first row (H + 1 offsets); made once after each change. The per-head rows become
+        views of it: nothing is held twice. `parts` (flat only): the keys' and values' pieces in row order, each head's
+        one after another, where the heads' rows are not yet joined per head (`flush`)."""
         if self._join is None or self._join[0] != stacked:
-            keys = self.scheme.join_heads(self.qk, stacked)
+            keys = self.scheme.join_heads(parts[0] if parts else self.qk, stacked)
             if keys is None:
                 return None
-            values = self.scheme.join_heads(self.qv, stacked)
+            values = self.scheme.join_heads(parts[1] if parts else self.qv, stacked)
             counts = [p.numel() for p in self.pq]
             self.qk, self.qv = self.scheme.split_heads(keys, counts, stacked), self.scheme.split_heads(values, counts, stacked)
             heads = torch.arange(len(counts), dtype=torch.int32).repeat_interleave(torch.tensor(counts))
@@ -281,15 +285,26 @@ class QuantizedRows(Rows):
         else:
             encoded = [self.scheme.encode(k[:n], v[:n], p[:n], h) if n else None
                        for h, ((k, v, p), n) in enumerate(zip(res, counts))]
+        # codes joined along rows (the decode kernel's layout) are joined again in one concatenation of every head's
+        # held and new blocks, not copied head by head and then joined: a flush copies the layer's codes once
+        rejoin_flat = self._join is not None and not self._join[0]
+        parts: tuple[list, list] = ([], [])
         for h, ((_, _, p), n, kv) in enumerate(zip(res, counts, encoded)):
-            if not n:
-                continue
-            k, v = kv
-            self.qk[h] = k if self.qk[h] is None else self.qk[h].cat(k)
-            self.qv[h] = v if self.qv[h] is None else self.qv[h].cat(v)
-            self.pq[h] = torch.cat([self.pq[h], p[:n]])
-        self.res = store_rows(*([t[n:].clone() for t, n in zip(part, counts)] for part in zip(*res)), grow=g)
-        self._rejoin()
+            k, v = kv if n else (None, None)
+            if rejoin_flat:
+                parts[0].extend((self.qk[h], k))
+                parts[1].extend((self.qv[h], v))
+            elif n:
+                self.qk[h] = k if self.qk[h] is None else self.qk[h].cat(k)
+                self.qv[h] = v if self.qv[h] is None else self.qv[h].cat(v)
+            if n:
+                self.pq[h] = torch.cat([self.pq[h], p[:n]])
+        self.res = store_rows(*([t[n:] for t, n in zip(part, counts)] for part in zip(*res)), grow=g, padded=True)
+        if rejoin_flat:
+            self._join = None
+            self._joined(False, parts)
+        else:
+            self._rejoin()
 
     def keep(self, indices: list[Tensor]) -> QuantizedRows:
         heads = self.heads()
@@ -320,7 +335,10 @@ class QuantizedRows(Rows):
                 self._joined(False)
 
     def kv_tensors(self) -> list[Tensor]:
-        held = [t for q in (*self.qk, *self.qv) if q is not None for t in q.tensors()]
+        if self._join is not None:  # every head's codes are views of the joined ones: 6 storages, not 6 a head
+            held = [t for q in self._join[1:3] for t in q.tensors()]
+        else:
+            held = [t for q in (*self.qk, *self.qv) if q is not None for t in q.tensors()]
         return held + self.res.kv_tensors()
 
     def position_tensors(self) -> list[Tensor]:
@@ -374,5 +392,5 @@ class QuantizedRows(Rows):
             out.qk[h], out.qv[h] = qk, qv
             out.pq[h] = p[:encoded].clone()
             residual.append((tensors["residual_keys"], tensors["residual_values"], p[encoded:]))
-        out.res = store_rows(*map(list, zip(*residual)), grow=scheme.group)
+        out.res = store_rows(*map(list, zip(*residual)), grow=scheme.group, padded=True)
         return out
