@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.error
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -203,6 +203,20 @@ async def closed_loop(server: dict, system: str, questions: list[str], clients: 
                 requests=records, metrics=samples)
 
 
+def joined_segments(segments: list[dict], segment_s: float) -> dict:
+    """Closed-loop runs of one server made at different times, as one run: each segment's times follow the last's
+    (`segment` says which a request was in; the report reads one window per segment and pairs segment k of two
+    servers). Preemptions are the server's counter, so they add up across segments by themselves."""
+    requests, metrics = [], []
+    for k, seg in enumerate(segments):
+        shift = k * segment_s
+        requests += [r | {"t_start_s": round(r["t_start_s"] + shift, 4), "t_end_s": round(r["t_end_s"] + shift, 4),
+                          "segment": k} for r in seg["requests"]]
+        metrics += [[round(m[0] + shift, 3), *m[1:]] for m in seg["metrics"] if m[0] <= segment_s]
+    return dict(clients=segments[0]["clients"], duration_s=segment_s * len(segments), segments=len(segments),
+                segment_s=segment_s, requests=requests, metrics=metrics)
+
+
 def _warm(server: dict, system: str, max_tokens: int, options: dict, log) -> dict:
     """One request alone: loads the model's lazy parts and fills the store with the knowledge base."""
     async def one():
@@ -226,7 +240,7 @@ def _warm(server: dict, system: str, max_tokens: int, options: dict, log) -> dic
 def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[int, ...] = (1024, 4096),
                        concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32), duration_s: float = 60,
                        max_tokens: int = 64, threads: int = 2, servers: tuple[str, ...] = SERVERS,
-                       memory_budget: str = "256MiB", memory_clients: int = 16, memory_duration_s: float = 240,
+                       memory_budget: str = "256MiB", memory_clients: int = 16, memory_duration_s: float = 60, memory_rounds: int = 3,
                        memory_configs: tuple[str, ...] = tuple(MEMORY_CONFIGS), phases: tuple[str, ...] = ("sweep", "memory", "steps"),
                        command: str | None = None, log=print) -> Path:
     from kvmem.eval.batching_report import write_report
@@ -272,27 +286,41 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
     if "memory" in phases:
         system, n_system, n_docs = knowledge_base(tokenizer, 4096)
         questions = question_list(n_docs)
-        for name in memory_configs:
-            log(f"memory: {name}, --kv-budget {memory_budget}, {memory_clients} clients")
-            opts = options | MEMORY_CONFIGS[name] | {"use_store": True, "fill_store": True}
-            args = ["--kv-budget", memory_budget, "--store", "memory", "--queue", str(4 * memory_clients)]
-            with kvmem_server(model, args, out / f"server-memory-{name}.log", threads) as server:
-                _warm(server, system, 4, opts, log)
-                idle = settled(server)  # the model, the store's one compressed context, the kernel: before any load
-                run = asyncio.run(closed_loop(server, system, questions, memory_clients, memory_duration_s, max_tokens,
-                                              opts, 0, True))
-                run["server_memory"] = dict(idle=idle, after=settled(server))
-            after = run["server_memory"]["after"]
-            log(f"  server RSS {idle['rss'] / 2**20:.0f} MiB idle, {after['rss'] / 2**20:.0f} MiB after the load "
-                f"({after['kv_bytes']} KV bytes still held; the store's memory tier {idle['store_bytes'] / 2**20:.0f} -> "
-                f"{after['store_bytes'] / 2**20:.0f} MiB)")
-            ok = [r for r in run["requests"] if r["status"] == "ok"]
-            log(f"  {len(ok)} ok of {len(run['requests'])}, "
-                f"{sum(r['completion_tokens'] for r in ok) / memory_duration_s:.1f} tokens/s")
-            data["runs"] = [r for r in data["runs"] if not (r["phase"] == "memory" and r["config"] == name)]
-            data["runs"].append(dict(phase="memory", server="kvmem-batching", config=name, options=opts,
-                                     budget=memory_budget, length=4096, prompt_tokens=n_system, command=server["command"],
-                                     when=_now(), **run))
+        args = ["--kv-budget", memory_budget, "--store", "memory", "--queue", str(4 * memory_clients)]
+        opts = {name: options | MEMORY_CONFIGS[name] | {"use_store": True, "fill_store": True} for name in memory_configs}
+        with ExitStack() as stack:
+            # every configuration's server stays up (idle ones cost nothing), the load moves between them in rounds:
+            # this machine's speed drifts by tens of percent over minutes, so configurations run one after another
+            # would compare different machines; round k of each is paired with round k of the full cache
+            servers, idle, segments = {}, {}, {name: [] for name in memory_configs}
+            for name in memory_configs:
+                log(f"memory: {name}, --kv-budget {memory_budget}: starting and warming its server")
+                servers[name] = stack.enter_context(kvmem_server(model, args, out / f"server-memory-{name}.log", threads))
+                _warm(servers[name], system, 4, opts[name], log)
+                idle[name] = settled(servers[name])  # the model, the store's one context, the kernel: before any load
+            first = 0
+            for k in range(memory_rounds):
+                order = memory_configs if k % 2 == 0 else memory_configs[::-1]
+                for name in order:
+                    run = asyncio.run(closed_loop(servers[name], system, questions, memory_clients, memory_duration_s,
+                                                  max_tokens, opts[name], first, True))
+                    first += len(run["requests"])
+                    settled(servers[name])  # its cut requests gone, its rows freed: idle before the next one runs
+                    segments[name].append(run)
+                    ok = [r for r in run["requests"] if r["status"] == "ok"]
+                    log(f"  round {k + 1}/{memory_rounds} {name}: {len(ok)} ok of {len(run['requests'])}, "
+                        f"{sum(r['completion_tokens'] for r in ok) / memory_duration_s:.1f} tokens/s (finished requests)")
+            for name in memory_configs:
+                run = joined_segments(segments[name], memory_duration_s)
+                run["server_memory"] = dict(idle=idle[name], after=settled(servers[name]))
+                after = run["server_memory"]["after"]
+                log(f"  {name}: server RSS {idle[name]['rss'] / 2**20:.0f} MiB idle, {after['rss'] / 2**20:.0f} MiB after "
+                    f"the load ({after['kv_bytes']} KV bytes still held; the store's memory tier "
+                    f"{idle[name]['store_bytes'] / 2**20:.0f} -> {after['store_bytes'] / 2**20:.0f} MiB)")
+                data["runs"] = [r for r in data["runs"] if not (r["phase"] == "memory" and r["config"] == name)]
+                data["runs"].append(dict(phase="memory", server="kvmem-batching", config=name, options=opts[name],
+                                         budget=memory_budget, length=4096, prompt_tokens=n_system,
+                                         command=servers[name]["command"], when=_now(), **run))
             save()
     if "steps" in phases:
         log("steps: a decode step in-process, packed vs padded rows, and per quantization scheme")
