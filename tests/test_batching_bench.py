@@ -46,6 +46,26 @@ def test_targets_need_the_ci_clear_of_the_goal():
     assert "no transformers serve" in sweep_targets([single, batching])[1]
 
 
+def test_segments_run_in_rounds_are_joined_windowed_and_paired():
+    """The memory phase's runs: segments joined one after another, two windows a segment, nothing counted past a
+    segment's end, and ratios that resample rounds together, so a machine that drifts between rounds moves both."""
+    from kvmem.eval.batching import joined_segments
+
+    speeds = [10.0, 20.0, 10.0]  # the machine's speed in each round: the same 2x in every round
+    full = joined_segments([run("kvmem-batching", 8.0 * v, duration=60) for v in speeds], 60)
+    small = joined_segments([run("kvmem-batching", 16.0 * v, duration=60) for v in speeds], 60)
+    assert full["duration_s"] == 180 and full["segments"] == 3
+    assert {r["segment"] for r in full["requests"]} == {0, 1, 2} and max(m[0] for m in full["metrics"]) <= 180
+    w = window_tokens(full)
+    assert w.shape == (6,) and w[2] > 1.6 * w[0]  # round 2 ran twice as fast
+    ratio = throughput_ratio(small, full)
+    assert 1.8 < ratio[1] <= ratio[0] <= ratio[2] < 2.0  # paired by round: the drift cancels (2x, less the synthetic gaps)
+    unpaired = throughput_ratio(small, dict(full, segment_s=None, segments=None))
+    assert unpaired[2] - unpaired[1] > 3 * (ratio[2] - ratio[1])
+    late = dict(full, requests=[dict(r, chunk_s=[t + 100 for t in r["chunk_s"]]) for r in full["requests"]])
+    assert window_tokens(late).sum() < 0.5 * w.sum()  # chunks past their segment's end (cut requests) count nowhere
+
+
 def test_memory_targets_compare_rows_and_tokens_with_the_full_cache():
     full = run("kvmem-batching", 10.0, clients=16) | dict(phase="memory", config="full", metrics=[[1.0, 1, 1e8, 0]])
     small = run("kvmem-batching", 45.0, clients=16) | dict(phase="memory", config="kvzip@0.25", metrics=[[1.0, 5, 1e8, 0]])

@@ -164,6 +164,18 @@ def memory_targets(runs: list[dict], model: str = "", results: Path = Path("resu
     return out
 
 
+def memory_protocol(runs: list[dict]) -> str:
+    """How the memory phase's runs were made: in rounds side by side, or one after another."""
+    r = runs[0]
+    if paired(r, r):
+        return (f"Every configuration's server was started and warmed first; then {r['segments']} rounds, each running "
+                f"every configuration for {r['segment_s']:g} s of load in turn (the order reversed every other round), so "
+                "the machine's drift reaches them all alike; a ratio to the full cache pairs the rounds' windows. Each "
+                "segment starts from an empty batch, so its ramp-up counts (it costs the configurations that hold many "
+                "rows most).")
+    return f"Each configuration ran alone for {r['duration_s']:g} s, one after another."
+
+
 def score_verdict(score: dict) -> str:
     """>= 95 % of the full cache's score, judged like tokens/s: met where the paired difference's CI stays above
     -5 % of the full cache's score, not met where it lies wholly below, else not shown; without a paired difference
@@ -314,7 +326,8 @@ def write_report(out: Path) -> Path:
         lines += ["## Throughput against concurrency", "", *sweep_targets(sweep), "", *sweep_table(sweep), "",
                   *_plots(runs, out), ""]
     if memory:
-        lines += ["## The memory-bound case: a fixed KV budget", "", *memory_targets(memory, cfg["model"]), "",
+        lines += ["## The memory-bound case: a fixed KV budget", "", memory_protocol(memory), "",
+                  *memory_targets(memory, cfg["model"]), "",
                   *memory_table(memory, cfg["model"]), ""]
     if data.get("steps"):
         lines += ["## A decode step: packed rows against padding, and quantized rows", "", *steps_tables(data["steps"]), ""]
@@ -336,5 +349,6 @@ def update_readme(results: Path = Path("results/batching"), readme: Path = Path(
     body += sweep_targets(sweep)
     if memory:
         body += ["", f"Memory-bound: a {memory[0]['budget']} KV budget, {memory[0]['prompt_tokens']}-token prompts, "
-                 f"{memory[0]['clients']} clients:", "", *memory_targets(memory, data["config"]["model"]), "", *memory_table(memory, data["config"]["model"])]
+                 f"{memory[0]['clients']} clients. {memory_protocol(memory)}", "", *memory_targets(memory, data["config"]["model"]), "",
+                 *memory_table(memory, data["config"]["model"])]
     replace_block(readme, MARKERS, "\n".join(body + ["", MARKERS[1]]))
