@@ -183,7 +183,7 @@ def eval_(
     concurrency: str = typer.Option("1,2,4,8,16,32", help="batching: comma-separated client concurrencies of the sweep."),
     servers: Optional[str] = typer.Option(None, help="batching: kvmem-single, kvmem-batching, transformers (default all)."),
     kv_budget: str = typer.Option("256MiB", help="batching: the memory phase's --kv-budget."),
-    memory_duration: float = typer.Option(60, help="batching: seconds of each of a memory-phase configuration's segments under load."),
+    memory_duration: float = typer.Option(180, help="batching: seconds of each of a memory-phase configuration's segments under load (the committed run: 60)."),
     memory_rounds: int = typer.Option(3, help="batching: rounds of the memory phase (each runs every configuration for one segment, the order reversed every other round)."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).

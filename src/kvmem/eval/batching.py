@@ -240,7 +240,7 @@ def _warm(server: dict, system: str, max_tokens: int, options: dict, log) -> dic
 def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[int, ...] = (1024, 4096),
                        concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32), duration_s: float = 60,
                        max_tokens: int = 64, threads: int = 2, servers: tuple[str, ...] = SERVERS,
-                       memory_budget: str = "256MiB", memory_clients: int = 16, memory_duration_s: float = 60, memory_rounds: int = 3,
+                       memory_budget: str = "256MiB", memory_clients: int = 16, memory_duration_s: float = 180, memory_rounds: int = 3,
                        memory_configs: tuple[str, ...] = tuple(MEMORY_CONFIGS), phases: tuple[str, ...] = ("sweep", "memory", "steps"),
                        command: str | None = None, log=print) -> Path:
     from kvmem.eval.batching_report import write_report
