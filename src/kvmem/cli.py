@@ -184,6 +184,7 @@ def eval_(
     servers: Optional[str] = typer.Option(None, help="batching: kvmem-single, kvmem-batching, transformers (default all)."),
     kv_budget: str = typer.Option("256MiB", help="batching: the memory phase's --kv-budget."),
     memory_duration: float = typer.Option(180, help="batching: seconds of each of a memory-phase configuration's segments under load (the committed run: 60)."),
+    sweep_rounds: int = typer.Option(1, help="batching: rounds of each sweep concurrency (every server runs one --duration segment a round, the order reversed every other round; ratios pair the rounds)."),
     memory_rounds: int = typer.Option(3, help="batching: rounds of the memory phase (each runs every configuration for one segment, the order reversed every other round)."),
 ) -> None:
     """Run a benchmark. longctx: compression methods on long-context tasks (resumes from OUT/records.jsonl).
@@ -246,7 +247,7 @@ def eval_(
         report = run_batching_suite(out or Path("results/batching"), _csv(models)[0], tuple(_csv(lengths, int)),
                                     tuple(_csv(concurrency, int)), duration, max_tokens=128, threads=threads or 2,
                                     servers=tuple(_csv(servers)) if servers else SERVERS, memory_budget=kv_budget,
-                                    memory_duration_s=memory_duration, memory_rounds=memory_rounds,
+                                    memory_duration_s=memory_duration, memory_rounds=memory_rounds, sweep_rounds=sweep_rounds,
                                     memory_configs=tuple(_csv(methods)) if methods else tuple(MEMORY_CONFIGS),
                                     phases=tuple(p for p in _csv(parts) if p in ("sweep", "memory", "steps")) or ("sweep", "memory", "steps"),
                                     command=shlex.join(["kvmem", *sys.argv[1:]]), log=console.print)

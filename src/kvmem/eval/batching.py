@@ -238,7 +238,7 @@ def _warm(server: dict, system: str, max_tokens: int, options: dict, log) -> dic
 
 
 def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[int, ...] = (1024, 4096),
-                       concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32), duration_s: float = 60,
+                       concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32), duration_s: float = 60, sweep_rounds: int = 1,
                        max_tokens: int = 64, threads: int = 2, servers: tuple[str, ...] = SERVERS,
                        memory_budget: str = "256MiB", memory_clients: int = 16, memory_duration_s: float = 180, memory_rounds: int = 3,
                        memory_configs: tuple[str, ...] = tuple(MEMORY_CONFIGS), phases: tuple[str, ...] = ("sweep", "memory", "steps"),
@@ -265,24 +265,36 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
         for length in lengths:
             system, n_system, n_docs = knowledge_base(tokenizer, length)
             questions = question_list(n_docs)
-            for kind in servers:
-                log(f"sweep: {kind}, knowledge base of {n_system} tokens")
-                opts = options | ({"use_store": True, "fill_store": True} if kind != "transformers" else {})
-                with _server(kind, model, out / f"server-{kind}-{length}.log", threads) as server:
-                    _warm(server, system, 4, opts, log)
-                    first = 0
-                    for c in concurrencies:
-                        run = asyncio.run(closed_loop(server, system, questions, c, duration_s, max_tokens, opts, first,
-                                                      kind != "transformers"))
-                        first += len(run["requests"])
-                        ok = [r for r in run["requests"] if r["status"] == "ok"]
-                        log(f"  {c:>2} clients: {len(ok)} ok of {len(run['requests'])}, "
-                            f"{sum(r['completion_tokens'] for r in ok) / duration_s:.1f} tokens/s")
+            opts = {kind: options | ({"use_store": True, "fill_store": True} if kind != "transformers" else {})
+                    for kind in servers}
+            with ExitStack() as stack:
+                # every server up at once, the load moving between them (see the memory phase: the machine drifts)
+                up, first = {}, dict.fromkeys(servers, 0)
+                for kind in servers:
+                    log(f"sweep: {kind}, knowledge base of {n_system} tokens: starting and warming its server")
+                    up[kind] = stack.enter_context(_server(kind, model, out / f"server-{kind}-{length}.log", threads))
+                    _warm(up[kind], system, 4, opts[kind], log)
+                for c in concurrencies:
+                    segments = {kind: [] for kind in servers}
+                    for k in range(sweep_rounds):
+                        for kind in (servers if k % 2 == 0 else servers[::-1]):
+                            run = asyncio.run(closed_loop(up[kind], system, questions, c, duration_s, max_tokens,
+                                                          opts[kind], first[kind], kind != "transformers"))
+                            first[kind] += len(run["requests"])
+                            if kind != "transformers":  # (no gauges to wait on: its cut requests end with their clients)
+                                settled(up[kind])
+                            segments[kind].append(run)
+                            ok = [r for r in run["requests"] if r["status"] == "ok"]
+                            log(f"  {kind}, {c:>2} clients" + (f", round {k + 1}/{sweep_rounds}" if sweep_rounds > 1 else "")
+                                + f": {len(ok)} ok of {len(run['requests'])}, "
+                                f"{sum(r['completion_tokens'] for r in ok) / duration_s:.1f} tokens/s (finished requests)")
+                    for kind in servers:
+                        run = segments[kind][0] if sweep_rounds == 1 else joined_segments(segments[kind], duration_s)
                         data["runs"] = [r for r in data["runs"] if not (r["phase"] == "sweep" and r["server"] == kind and
                                                                         r["length"] == length and r["clients"] == c)]
                         data["runs"].append(dict(phase="sweep", server=kind, length=length, prompt_tokens=n_system,
-                                                 command=server["command"], when=_now(), **run))
-                        save()
+                                                 command=up[kind]["command"], when=_now(), **run))
+                    save()
     if "memory" in phases:
         system, n_system, n_docs = knowledge_base(tokenizer, 4096)
         questions = question_list(n_docs)
