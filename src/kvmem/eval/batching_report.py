@@ -133,7 +133,9 @@ def sweep_targets(runs: list[dict], clients: int = 16) -> list[str]:
             ratio = throughput_ratio(b, o)
             verdict = "met" if ratio[1] >= goal else ("not met" if ratio[2] < goal else "not shown (the CI straddles it)")
             out.append(f"- {b['prompt_tokens']}-token prompts, {clients} clients: continuous batching / {LABELS[other]} "
-                       f"= **{_ci(ratio, 2)}x** output tokens/s (goal >= {goal:g}x: {verdict})")
+                       f"= **{_ci(ratio, 2)}x** output tokens/s (goal >= {goal:g}x: {verdict}; "
+                       + (f"{b['segments']} rounds of {b['segment_s']:g} s side by side, paired)" if paired(b, o)
+                          else "measured one after another)"))
     return out
 
 
