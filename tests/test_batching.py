@@ -106,6 +106,31 @@ def test_random_join_and_leave_schedules_never_mix_rows(kind, data, request):
         assert batch.next_positions() == [t.get_seq_length() for t in twins]
 
 
+@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_gemma"])
+def test_a_batch_decodes_uncompressed_rows_in_the_kernel_and_alone_keeps_sdpa(kind, request, monkeypatch):
+    """In a RowBatch a decode step's uncompressed float32 rows are attended by the kernel, one call per layer for
+    every row (not an SDPA call per row); a sequence decoded alone keeps transformers' SDPA (bit-identity). The
+    logits agree."""
+    from kvmem import kernel
+
+    model = request.getfixturevalue(kind)
+    lm, gen = Tiny(model), torch.Generator().manual_seed(0)
+    caches = []
+    for n in (5, 23, 40):  # Gemma's sliding layers (window 8) hold their last 7 tokens
+        caches.append(KVCache(model.config, observe_window=0))
+        feed(lm, caches[-1], torch.randint(0, 128, (n,), generator=gen).tolist())
+    twins = [c.clone() for c in caches]
+    calls, in_place = [], kernel.decode_attention
+    monkeypatch.setattr(kernel, "decode_attention", lambda query, rows, scaling: calls.append(len(rows)) or
+                        in_place(query, rows, scaling))
+    together = step(lm, RowBatch(model.config, caches), [[7]] * 3)
+    assert calls == [3] * model.config.num_hidden_layers
+    calls.clear()
+    alone = torch.stack([feed(lm, twin, [7]) for twin in twins])
+    assert calls == []
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+
+
 def test_batch_refuses_what_it_cannot_hold(tiny_llama, tiny_gemma):
     lm = Tiny(tiny_llama)
     batch = RowBatch(tiny_llama.config)

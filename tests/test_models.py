@@ -13,7 +13,7 @@ from kvmem.cache import KVCache
 from kvmem.compress import Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.generate import decode, feed
-from kvmem.models import cache_dir, load_model
+from kvmem.models import FewRowsLinear, cache_dir, load_model
 
 
 def greedy_answer(lm, prompt: str, n: int = 8) -> str:
@@ -28,6 +28,24 @@ def test_embedded_models_answer(name, request):
     prompt = "The capital of Germany is Berlin. The capital of Italy is Rome. The capital of France is"
     assert "Paris" in greedy_answer(lm, prompt)
     assert len(lm.fingerprint) == 16
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_few_rows_linears_give_linears_outputs_from_the_models_own_weights(name, request):
+    lm = request.getfixturevalue(name)
+    linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is FewRowsLinear for m in linears)
+    head = lm.model.get_output_embeddings()
+    if lm.model.config.get_text_config().tie_word_embeddings:  # still the embeddings' parameter, not a copy
+        assert head.weight is lm.model.get_input_embeddings().weight
+    for layer in (head, linears[0]):
+        hidden = torch.randn(80, 1, layer.in_features) * 3
+        for rows in (1, 2, 7, 80):  # 80 > ROWS: linear itself
+            want = torch.nn.functional.linear(hidden[:rows], layer.weight, layer.bias)
+            with torch.no_grad():
+                got = layer(hidden[:rows])
+            assert got.shape == want.shape and got.is_contiguous()
+            assert torch.allclose(got, want, atol=1e-3, rtol=1e-4)
 
 
 def test_fingerprints_differ_and_are_stable(smollm2, gemma3):

@@ -106,7 +106,7 @@ def test_decode_steps_from_quantized_rows_match_full_precision(tiny_llama, monke
     from kvmem.quant.base import Scheme
     from kvmem.quant.kivi import KIVI
 
-    monkeypatch.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos: False)
+    monkeypatch.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos, batched=False: False)
 
     class HeadByHead(KIVI):  # a scheme that does not join its heads' codes
         join_heads = Scheme.join_heads
@@ -146,7 +146,7 @@ def test_ragged_quantized_heads_decode_in_one_pass_as_head_by_head(kind, request
     reference = cache.clone()
     calls, one_pass = [], attention.flat_attention
     monkeypatch.setattr(attention, "flat_attention", lambda *a: calls.append(1) or one_pass(*a))
-    monkeypatch.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos: False)  # PyTorch's path, not the kernel
+    monkeypatch.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos, batched=False: False)  # PyTorch's path, not the kernel
     with torch.no_grad():
         flat = torch.cat([model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(80, 90)], 1)
         monkeypatch.setattr(KVLayer, "_flat_rows", lambda self, new_pos: None)
@@ -164,7 +164,7 @@ def test_ragged_quantized_heads_decode_in_one_pass_as_head_by_head(kind, request
 def test_the_decode_kernel_builds_and_reads_codes_as_they_decode():
     """The kernel (`kvmem.kernel`, built on first use) against decoding then attending in float32: two sequences
     in one call, heads of different lengths, 8/4/3/2-bit keys and values of different widths, residual rows (none in
-    one head), 1 to 5 query heads per KV head (the values' register path takes 1 to 4); each query head reads its own
+    one head), 1 to 5 query heads per KV head (the register paths for keys and values take 1 to 4); each query head reads its own
     KV head of its own sequence."""
     from kvmem import kernel
     from kvmem.quant.pack import concat
@@ -225,7 +225,7 @@ def test_decode_steps_read_the_codes_in_place_as_decoded_rows_would(kind, spec, 
         with torch.no_grad():
             got = torch.cat([model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(76, 84)], 1)
             with monkeypatch.context() as m:
-                m.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos: False)
+                m.setattr(KVLayer, "_decodes_in_place", lambda self, new_pos, batched=False: False)
                 want = torch.cat([model(input_ids=ids[:, i:i + 1], cache=reference, use_cache=True).logits
                                   for i in range(76, 84)], 1)
         if spec and spec.endswith("group=2:residual=8"):  # 2-bit values in groups of 2 channels: not whole bytes, PyTorch's path

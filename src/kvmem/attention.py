@@ -15,7 +15,8 @@ tokens), or none when every query may see every row (a decode step, usually):
   nothing decoded, or an evicted layer's full-precision heads): `attend_in_place`.
 * `kvmem_layer`: the layer to call back with the queries (observation for the scorers, see `observe.py`).
 * `kvmem_rows`: a `RowBatch` (`batch.py`); per sequence (keys, values, its own kwargs of the above), attended
-  sequence by sequence, each on its own rows, except the sequences read in place (`kvmem_decode`): one kernel call.
+  sequence by sequence, each on its own rows, except the sequences read in place (`kvmem_decode`: in a batch, a
+  decode step's float32 rows too, compressed or not): one kernel call.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     flat = kwargs.pop("kvmem_flat", None)  # the same, decoded onto one row axis
     in_place = kwargs.pop("kvmem_decode", None)  # quantized rows read by their decode kernel
     layer = kwargs.pop("kvmem_layer", None)
+    kwargs.pop("kvmem_batched", None)  # read by the cache's layer (a RowBatch's row), not here
     reroute = kwargs.pop("kvmem_reroute", None)  # kv-embedding's prefix slot (kvmem.embed.kv_embedding)
     scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     if reroute is not None and (out := reroute.attend(module, query, key, value, scaling)) is not None:

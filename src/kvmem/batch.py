@@ -143,7 +143,7 @@ class RowLayer(CacheLayerMixin):
         rows = []
         for b, cache in enumerate(self.batch.caches):
             layer = cache.layers[self.idx]
-            own = {"position_ids": position_ids[b:b + 1]}
+            own = {"position_ids": position_ids[b:b + 1], "kvmem_batched": True}
             k, v = layer.update(key_states[b:b + 1], value_states[b:b + 1], kwargs=own)
             if "kvmem_mask" not in own and "kvmem_heads" not in own and q > 1:
                 # an uncompressed layer leaves the mask to the model, which cannot make one per row: build it from

@@ -207,7 +207,7 @@ class KVLayer(CacheLayerMixin):
             self.log_weights = [torch.cat([w, w.new_zeros(n_new)]) for w in self.log_weights]
         self.next_position = max(self.next_position, int(new_pos.max()) + 1)
         # What attention sees, taken before a sliding layer drops what later tokens cannot see.
-        if self._decodes_in_place(new_pos):  # a quantized decode step: the codes are read where they are, not decoded
+        if self._decodes_in_place(new_pos, kwargs.get("kvmem_batched", False)):  # codes read where they are, not decoded
             kwargs["kvmem_decode"] = self.rows
             keys, values, heads = key_states, value_states, None  # unread: attend_in_place reads the rows
         elif (stacked := self.rows.stacked()) is not None:  # every head equally long: (H, T, D), a view of dense storage
@@ -239,18 +239,21 @@ class KVLayer(CacheLayerMixin):
             self.seen = (*(map(list, zip(*heads)) if heads is not None else (None,) * 3), new_pos)
         return keys, values
 
-    def _decodes_in_place(self, new_pos: Tensor) -> bool:
+    def _decodes_in_place(self, new_pos: Tensor, batched: bool = False) -> bool:
         """Whether this forward's attention reads the rows in place with the decode kernel (`attention.attend_in_place`):
         one new token that sees every row, nothing that needs the rows per head (tracked attention, a compressor, row
-        log-weights), and either quantized rows of a scheme with a kernel or an evicted layer's float32 rows (an
-        uncompressed layer keeps transformers' SDPA: bit-identical to an uncompressed cache)."""
+        log-weights), and either quantized rows of a scheme with a kernel or float32 rows of an evicted layer or of a
+        row of a `RowBatch` (`batched`). A sequence decoded alone keeps transformers' SDPA on its uncompressed layers:
+        bit-identical to an uncompressed cache. In a batch, one kernel call for every row replaces an SDPA call per
+        row and layer, each copying its keys and values per query head (repeat_kv): measured 128 of 344 ms a step at
+        16 rows of 1k tokens."""
         if new_pos.numel() != 1 or self.log_weights is not None or self.compressor is not None \
                 or self.observation.track_attention:
             return False
         if self.quant is not None:
             if not getattr(self.rows, "decodes_in_place", lambda: False)():
                 return False
-        elif not self.compressed or self.dtype != torch.float32 or not _kernel_reads(self.rows.kv_tensors()):
+        elif not (self.compressed or batched) or self.dtype != torch.float32 or not _kernel_reads(self.rows.kv_tensors()):
             return False
         return not self.is_sliding or all(sees_all(p[None], new_pos, self.sliding_window) for p in self.rows.positions())
 

@@ -146,6 +146,100 @@ bool values_in_registers(const Head& x, const Layout& L, const float* p, int64_t
   return false;
 }
 
+// The scores of encoded key rows [t0, t1) (one block: one scale and zero-point per channel, folded into qs and bias) with
+// every query head's dot product in registers: a row's codes are converted straight from their bytes, 16 planar lanes
+// at a time, and multiplied into G accumulators (the generic path unpacks each row into a buffer, then reads it back
+// once per query head). Needs AVX-512, 8/4/2-bit codes and planes of whole 16-byte chunks; else false.
+template <int G>
+void keys_chunked(const Head& x, const Layout& L, const float* qs, const float* bias, int64_t t0, int64_t t1, float* p,
+                  int64_t n) {
+#if defined(__AVX512F__)
+  constexpr int C = 8;  // up to 8 chunks of 16 lanes: head_dim <= 128
+  const int64_t chunks = L.d / 16;
+  const __m128i mask = _mm_set1_epi8(static_cast<char>((1u << L.kbits) - 1));
+  __m512 q[G][C];
+  int64_t offset[C];
+  int shift[C];
+  for (int64_t c = 0; c < chunks; ++c) {
+    offset[c] = (c * 16) % L.kw;
+    shift[c] = static_cast<int>((c * 16) / L.kw * L.kbits);
+    for (int j = 0; j < G; ++j) q[j][c] = _mm512_loadu_ps(qs + j * L.d + c * 16);
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* row = x.kp + t * L.kstride;
+    __m512 a[G];
+    for (int j = 0; j < G; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + offset[c]));
+      if (L.kbits != 8) bytes = _mm_and_si128(_mm_srli_epi16(bytes, shift[c]), mask);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+      for (int j = 0; j < G; ++j) a[j] = _mm512_fmadd_ps(q[j][c], v, a[j]);
+    }
+    for (int j = 0; j < G; ++j) p[j * n + (t - x.e0)] = (bias[j] + _mm512_reduce_add_ps(a[j])) * L.scale;
+  }
+#endif
+}
+
+bool keys_in_registers(const Head& x, const Layout& L, const float* qs, const float* bias, int64_t t0, int64_t t1,
+                       float* p, int64_t n) {
+#if defined(__AVX512F__)
+  if ((L.kbits != 8 && L.kbits != 4 && L.kbits != 2) || L.kw % 16 || L.d > 128) return false;
+  switch (L.groups) {
+    case 1: keys_chunked<1>(x, L, qs, bias, t0, t1, p, n); return true;
+    case 2: keys_chunked<2>(x, L, qs, bias, t0, t1, p, n); return true;
+    case 3: keys_chunked<3>(x, L, qs, bias, t0, t1, p, n); return true;
+    case 4: keys_chunked<4>(x, L, qs, bias, t0, t1, p, n); return true;
+  }
+#endif
+  return false;
+}
+
+#if defined(__AVX512F__)
+// exp of 16 floats <= 0 (scores minus their maximum): Cephes' expf, a degree-5 polynomial on x - n ln 2 scaled by
+// 2^n; within 2 ulp of std::exp, which the compiler leaves scalar here (a softmax over 4k rows spent most of its time
+// in it).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// p[t] = exp(p[t] - max p) in place; returns their sum (the softmax's denominator).
+inline float softmax_unnormalized(float* p, int64_t n) {
+  int64_t t = 0;
+  float m = -std::numeric_limits<float>::infinity(), s = 0.f;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(m);
+  for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + t));
+  m = _mm512_reduce_max_ps(mv);
+  for (int64_t i = t; i < n; ++i) m = std::max(m, p[i]);
+  __m512 sv = _mm512_setzero_ps();
+  const __m512 mb = _mm512_set1_ps(m);
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + t), mb));
+    _mm512_storeu_ps(p + t, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  s = _mm512_reduce_add_ps(sv);
+#else
+  for (; t < n; ++t) m = std::max(m, p[t]);
+  t = 0;
+#endif
+  for (; t < n; ++t) s += (p[t] = std::exp(p[t] - m));
+  return s;
+}
+
 void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vector<float>& qs, std::vector<float>& bias,
             std::vector<float>& acc, std::vector<float>& p) {
   const int64_t d = L.d, groups = L.groups, ne = x.e1 - x.e0, n = ne + x.r;
@@ -162,7 +256,9 @@ void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vect
       }
       bias[j] = z;
     }
-    for (int64_t t = b0; t < std::min(b0 + L.group_k, x.e1); ++t) {
+    const int64_t t1 = std::min(b0 + L.group_k, x.e1);
+    if (keys_in_registers(x, L, qs.data(), bias.data(), b0, t1, p.data(), n)) continue;
+    for (int64_t t = b0; t < t1; ++t) {
       unpack_planes(x.kp + t * L.kstride, L.kbits, L.KP, L.kw, codes.data());
       for (int64_t j = 0; j < groups; ++j)
         p[j * n + (t - x.e0)] = (bias[j] + dot(qs.data() + j * d, codes.data(), d)) * L.scale;
@@ -171,14 +267,7 @@ void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vect
   for (int64_t r = 0; r < x.r; ++r)  // the residual rows, full precision
     for (int64_t j = 0; j < groups; ++j) p[j * n + ne + r] = dot(x.q + j * d, x.rk + r * d, d) * L.scale;
   std::vector<float> total(groups);
-  for (int64_t j = 0; j < groups; ++j) {  // softmax per query head (normalized at the end)
-    float* pj = p.data() + j * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, pj[t]);
-    float s = 0.f;
-    for (int64_t t = 0; t < n; ++t) s += (pj[t] = std::exp(pj[t] - m));
-    total[j] = s;
-  }
+  for (int64_t j = 0; j < groups; ++j) total[j] = softmax_unnormalized(p.data() + j * n, n);  // normalized at the end
   std::fill(acc.begin(), acc.end(), 0.f);  // values of the encoded rows, accumulated in planar order
   const bool done = x.e1 > x.e0 && values_in_registers(x, L, p.data(), n, acc.data());
   for (int64_t t = done ? x.e1 : x.e0; t < x.e1; ++t) {  // the generic loop, where the registers' one does not apply

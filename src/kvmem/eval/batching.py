@@ -293,7 +293,8 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
                         data["runs"] = [r for r in data["runs"] if not (r["phase"] == "sweep" and r["server"] == kind and
                                                                         r["length"] == length and r["clients"] == c)]
                         data["runs"].append(dict(phase="sweep", server=kind, length=length, prompt_tokens=n_system,
-                                                 command=up[kind]["command"], when=_now(), **run))
+                                                 command=up[kind]["command"], when=_now(), commit=_git_commit(),
+                                                 dirty=_git_dirty(), **run))
                     save()
     if "memory" in phases:
         system, n_system, n_docs = knowledge_base(tokenizer, 4096)
@@ -332,11 +333,12 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
                 data["runs"] = [r for r in data["runs"] if not (r["phase"] == "memory" and r["config"] == name)]
                 data["runs"].append(dict(phase="memory", server="kvmem-batching", config=name, options=opts[name],
                                          budget=memory_budget, length=4096, prompt_tokens=n_system,
-                                         command=servers[name]["command"], when=_now(), **run))
+                                         command=servers[name]["command"], when=_now(), commit=_git_commit(),
+                                         dirty=_git_dirty(), **run))
             save()
     if "steps" in phases:
         log("steps: a decode step in-process, packed vs padded rows, and per quantization scheme")
-        data["steps"] = step_times(model, threads, log=log) | dict(when=_now())
+        data["steps"] = step_times(model, threads, log=log) | dict(when=_now(), commit=_git_commit(), dirty=_git_dirty())
         save()
     return write_report(out)
 

@@ -101,11 +101,18 @@ def _ci(c: tuple[float, float, float], digits: int = 1) -> str:
     return "n/a" if math.isnan(c[0]) else f"{c[0]:.{digits}f} [{c[1]:.{digits}f}, {c[2]:.{digits}f}]"
 
 
+def _commit(r: dict) -> str:
+    """The commit a run was measured at (runs before 2026-12-04 16:40 UTC did not record it)."""
+    if "commit" not in r:
+        return "not recorded"
+    return r["commit"] + (" (uncommitted changes)" if r.get("dirty") else "")
+
+
 def sweep_table(runs: list[dict]) -> list[str]:
     lines = ["| prompt tokens | server | clients | window s | output tokens/s [95% CI] | requests/s | TTFT p50 s [95% CI] | "
              "TTFT p95 s | ITL p50 ms [95% CI] | ITL p95 ms | mean rows in the batch | cached prompt tokens | "
-             "finished / no token by the end / errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "finished / no token by the end / errors | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["length"], list(LABELS).index(r["server"]), r["clients"])):
         s = summary(r)
         itl = tuple(x * 1000 for x in s["itl"])
@@ -113,7 +120,7 @@ def sweep_table(runs: list[dict]) -> list[str]:
                      f"{s['requests_s']:.2f} | {_ci(s['ttft'], 2)} | {s['ttft_p95']:.2f} | {_ci(itl, 0)} | "
                      f"{s['itl_p95'] * 1000:.0f} | {_f(s['rows_mean'])} | "
                      f"{'not reported' if r['server'] == 'transformers' else _f(s['cached'], 0)} | "
-                     f"{s['ok']} / {s['unserved']} / {s['errors']} |")
+                     f"{s['ok']} / {s['unserved']} / {s['errors']} | {_commit(r)} |")
     return lines
 
 
@@ -236,8 +243,8 @@ def suite_score(options: dict, model: str, length: int = 4096, results: Path = P
 def memory_table(runs: list[dict], model: str) -> list[str]:
     lines = ["| cache | budget | window s | mean / max rows decoding at once | output tokens/s [95% CI] | TTFT p50 s [95% CI] | "
              "ITL p50 ms [95% CI] | preemptions | peak KV held MiB | server RSS MiB: idle / peak / after (store's memory tier) | "
-             "finished / no token by the end / errors | long-context score at 4k (committed suites) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "finished / no token by the end / errors | long-context score at 4k (committed suites) | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = summary(r)
         itl = tuple(x * 1000 for x in s["itl"])
@@ -252,7 +259,7 @@ def memory_table(runs: list[dict], model: str) -> list[str]:
                 rss += f"; store {idle['store_bytes'] / 2**20:.0f} -> {after['store_bytes'] / 2**20:.0f}"
         lines.append(f"| {r['config']} | {r['budget']} | {r['duration_s']:g} | {s['rows_mean']:.1f} / {s['rows_max']:.0f} | {_ci(s['tokens_s'])} | "
                      f"{_ci(s['ttft'], 2)} | {_ci(itl, 0)} | {s['preemptions']:.0f} | {s['kv_max'] / 2**20:.0f} | {rss} | "
-                     f"{s['ok']} / {s['unserved']} / {s['errors']} | {suite_score(r['options'], model)} |")
+                     f"{s['ok']} / {s['unserved']} / {s['errors']} | {suite_score(r['options'], model)} | {_commit(r)} |")
     return lines
 
 
@@ -264,7 +271,8 @@ def steps_tables(steps: dict) -> list[str]:
         pad.setdefault((r["rows"], r["lengths"], r["kind"]), []).append(r["ms"])
         held[(r["rows"], r["lengths"])] = r["tokens"]
     lines = [f"One prefill of {steps['length']} tokens cloned into every row ({steps['steps']} steps a variant, two "
-             "rounds in alternated order, one process); ragged rows keep 1, 1/2, 1/4, 1/8 of it in turn (streaming-llm).",
+             "rounds in alternated order, one process); ragged rows keep 1, 1/2, 1/4, 1/8 of it in turn (streaming-llm). "
+             f"Commit: {_commit(steps)}.",
              "", "| rows | tokens held per row | each row attends its own cache (ms a step) | rows copied into one padded "
              "batch (ms a step) | padded / packed |", "|---|---|---|---|---|"]
     for b, lengths in sorted({k[:2] for k in pad}):
@@ -320,8 +328,8 @@ def write_report(out: Path) -> Path:
     sweep = [r for r in runs if r["phase"] == "sweep"]
     memory = [r for r in runs if r["phase"] == "memory"]
     lines = ["# Continuous batching: served throughput", "",
-             f"Model {cfg['model']}, {cfg['threads']} torch threads per server, {cfg['cpus']} CPUs, commit {cfg['commit']}"
-             f"{' (uncommitted changes)' if cfg.get('dirty') else ''}. Every request: a knowledge base in the system "
+             f"Model {cfg['model']}, {cfg['threads']} torch threads per server, {cfg['cpus']} CPUs; the latest run at commit "
+             f"{cfg['commit']}{' (uncommitted changes)' if cfg.get('dirty') else ''}, each row at the commit it names. Every request: a knowledge base in the system "
              f"prompt and a different question, streamed, temperature 0, `ignore_eos`, {cfg['max_tokens']} output tokens. "
              "How it is measured: `kvmem/eval/batching.py` and `batching_report.py`.", ""]
     if sweep:

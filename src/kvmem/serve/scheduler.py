@@ -31,9 +31,10 @@ quantization and ragged heads; the weights are read once for all of them).
 When the last row has left, the heap the caches used is handed back to the OS (`return_freed_memory`), so the
 server's RSS returns towards where it was before the load.
 
-Greedy outputs do not depend on the batch: each row's attention reads only its own rows, and the batched linear
-layers give the tokens a request gets alone (tests check it on both model families, for full, evicted, ragged and
-quantized caches). Embedding requests run beside the scheduler on one thread of their own.
+Greedy outputs do not depend on the batch: each row's attention reads only its own rows, so a row's logits are
+those it gets alone up to float rounding (the batched linear layers sum in another order, and a batch's attention
+runs in kvmem's kernel where a sequence alone keeps transformers' SDPA); tests check the tokens on both model
+families, for full, evicted, ragged and quantized caches. Embedding requests run beside the scheduler on one thread of their own.
 """
 
 from __future__ import annotations
