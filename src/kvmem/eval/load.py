@@ -384,8 +384,10 @@ def _git_commit() -> str:
 
 
 def _git_dirty() -> bool | None:
+    """Whether the code differs from the commit (results/ aside: a benchmark writes its own results as it runs)."""
     try:
-        r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+        r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)results"],
+                           capture_output=True, text=True,
                            cwd=Path(__file__).parent, timeout=5)
         return bool(r.stdout.strip()) if r.returncode == 0 else None
     except OSError:
