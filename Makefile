@@ -108,16 +108,17 @@ bench-serve: setup redis
 
 # Continuous batching (issue 34): throughput and TTFT / ITL against client concurrency on ~1k and ~4k-token prompts, kvmem
 # without batching, with continuous batching, and transformers serve, side by side on the same model files (60 s windows
-# at 1k; the committed 1k rows at 1, 4 and 32 clients are 40 s windows, the report names each window), then 1k at 16 clients
-# (the goal's point) again in 3 rounds of 60 s with every server up, ratios paired by round; the long-context
+# at 1k; the committed 1k rows at 1, 4 and 32 clients are 40 s windows, the report names each window), then 1k and 4k at
+# 16 clients (the goal's point) again in 3 rounds of 60 s with every server up, ratios paired by round; the long-context
 # score of kvzip@0.25 / 0.5 + kivi-4 / kivi-8 at 4k on the full cache's samples (the quant suite, 10 a task); then the memory-bound case
 # (a 256 MiB KV budget, 4k prompts, full / kvzip / keydiff / kivi-4 / kvzip + kivi-4 / kivi-8, every server up at once and the load
 # moved between them in 3 rounds of 180 s (the committed run: 60 s), so the machine's drift reaches all alike) and a decode step in-process
-# (packed vs padded rows, quantized rows with and without the decode kernel). Alone on the machine: about 2.5 hours.
+# (packed vs padded rows, quantized rows with and without the decode kernel). Alone on the machine: about 3 hours.
 bench-batching: setup
 	$(KVMEM) eval --suite batching --parts sweep --lengths 1024 --concurrency 1,2,4,8,16,32 --duration 60 --threads 2 --out results/batching
 	$(KVMEM) eval --suite batching --parts sweep --lengths 4096 --concurrency 1,2,4,8,16,32 --duration 40 --threads 2 --out results/batching
 	$(KVMEM) eval --suite batching --parts sweep --lengths 1024 --concurrency 16 --duration 60 --sweep-rounds 3 --threads 2 --out results/batching
+	$(KVMEM) eval --suite batching --parts sweep --lengths 4096 --concurrency 16 --duration 60 --sweep-rounds 3 --threads 2 --out results/batching
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,kivi-8 --cross kivi-4,kivi-8 --parts tasks --methods kvzip --ratios 0.25,0.5 --samples 10 --threads 2 --out results/batching/scores
 	$(KVMEM) eval --suite batching --parts memory,steps --threads 2 --out results/batching
 	$(PY) -c "from kvmem.eval.batching_report import update_readme; update_readme()"
