@@ -46,6 +46,10 @@ def test_few_rows_linears_give_linears_outputs_from_the_models_own_weights(name,
                 got = layer(hidden[:rows])
             assert got.shape == want.shape and got.is_contiguous()
             assert torch.allclose(got, want, atol=1e-3, rtol=1e-4)
+    small = FewRowsLinear(torch.nn.Linear(8, 5))  # with a bias; no rows at all, and any leading shape
+    for shape in [(0, 8), (1, 8), (1, 0, 8), (2, 3, 8)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(small(x), torch.nn.functional.linear(x, small.weight, small.bias))
 
 
 def test_fingerprints_differ_and_are_stable(smollm2, gemma3):

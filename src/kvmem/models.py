@@ -202,7 +202,9 @@ class FewRowsLinear(torch.nn.Linear):
     cold: 42 ms for 1 row, 63 for 2, 82 for 7, 104 for 32 and 178 for 64; `W @ x.T` took 17, 16, 44, 78 and 161 ms
     (one row padded to two: MKL's one-column path is as slow as `linear`'s). On the output head (vocab x hidden,
     SmolLM2's 113 MB): 11, 25, 37 (7 rows) and 28 ms (32) against 3.3, 3.4, 7.7 and 19.5. Each output is the same
-    dot products summed in another order (differences ~1e-5 relative)."""
+    dot products summed in another order (differences ~1e-5 relative). These were measured on the main thread; off
+    it (a `threading.Thread`, where the servers run the model) `mm` itself ran about 2x slower and a 1k-token decode
+    step gained little (72.8 -> 67.3 ms, against 67.6 -> 39.8 on the main thread): not yet explained."""
 
     ROWS = 64  # at most this many rows take `W @ x.T` (measured faster from 1 to 64)
 
@@ -213,14 +215,14 @@ class FewRowsLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
-        if n > self.ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+        if not 0 < n <= self.ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if n == 1:
             rows = torch.cat([rows, rows.new_zeros(rows.shape)])
         out = torch.mm(self.weight, rows.t()).t()[:n]
         if self.bias is not None:
             out = out + self.bias
-        return out.contiguous().reshape(*x.shape[:-1], -1)
+        return out.contiguous().reshape(*x.shape[:-1], self.out_features)
 
 
 def _few_rows_linears(model: torch.nn.Module) -> None:
