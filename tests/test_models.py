@@ -13,7 +13,7 @@ from kvmem.cache import KVCache
 from kvmem.compress import Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.generate import decode, feed
-from kvmem.models import FewRowsLinear, cache_dir, load_model
+from kvmem.models import FewRowsLinear, cache_dir, load_model, on_passing_thread
 
 
 def greedy_answer(lm, prompt: str, n: int = 8) -> str:
@@ -176,3 +176,11 @@ def test_hf_generate_continues_from_a_cache_compressed_with_the_model(smollm2, s
     assert outs[0] == outs[1]
     with pytest.raises(KVMemError, match="layer by layer"):
         Compressor(get_method("kvzip"), 0.3)
+
+
+def test_on_passing_thread_returns_raises_and_runs_elsewhere():
+    import threading
+
+    assert on_passing_thread(lambda a, b=0: (a + b, threading.current_thread().name), 2, b=3) == (5, "kvmem-passing")
+    with pytest.raises(KVMemError, match="boom"):
+        on_passing_thread(lambda: (_ for _ in ()).throw(KVMemError("boom")))

@@ -5,6 +5,8 @@ budget); rows past the budget are preempted to disk and resume with the same ans
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -103,6 +105,48 @@ def test_cancelling_one_row_leaves_the_others_decoding(server):
     wait_idle(server, 10)
     assert metric(server, "kvmem_cancelled_requests_total") == cancelled + 1
     assert metric(server, "kvmem_kv_bytes_held") == 0
+
+
+def test_embeddings_run_between_the_batchs_steps(server):
+    """Embeddings run on the model's thread between two decode steps: asked while rows decode, they equal those
+    asked on an idle server, and the rows' answers are unchanged."""
+    wait_idle(server)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    texts = ["A cat sat on the mat.", "Stocks fell sharply on Monday."]
+    idle = [d.embedding for d in client.embeddings.create(model=MODEL, input=texts, encoding_format="float").data]
+    alone = ask(server, count(2), 60).choices[0].message.content
+    results, most = together(server, [lambda: ask(server, count(2), 60), lambda: ask(server, count(4), 60),
+                                      lambda: client.embeddings.create(model=MODEL, input=texts, encoding_format="float")],
+                             stagger_s=1.0)
+    assert results[0].choices[0].message.content == alone
+    assert most >= 2
+    busy = [d.embedding for d in results[2].data]
+    assert max(abs(a - b) for u, v in zip(idle, busy) for a, b in zip(u, v)) < 1e-5
+
+
+def test_the_server_process_holds_one_openmp_team():
+    """Only the model's thread may hold an OpenMP team: while a second one exists, even idle, every team's threads
+    wait in the kernel between parallel regions and a decode step ran ~1.7x slower (`models.on_passing_thread`).
+    A team of two threads adds one native thread, so the count of native threads shows where teams were made."""
+    code = """
+import os, threading, time, torch
+torch.set_num_threads(2)
+from kvmem.models import load_model
+from kvmem.serve.scheduler import Scheduler
+def native():
+    time.sleep(0.3)  # a team's threads leave a moment after their owner
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+start = native()
+scheduler = Scheduler(load_model("smollm2-135m"), kv_budget=2**30)  # loads and measures a probe prefill
+ready = native()
+torch.randn(512, 512) @ torch.randn(512, 512)  # a team on the main thread: the count must see it
+print(start, ready, native())
+scheduler.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    start, ready, main_team = map(int, out.stdout.split())
+    assert ready == start and main_team == start + 1
 
 
 def test_n_choices_are_rows_of_one_batch(server):

@@ -202,9 +202,9 @@ class FewRowsLinear(torch.nn.Linear):
     cold: 42 ms for 1 row, 63 for 2, 82 for 7, 104 for 32 and 178 for 64; `W @ x.T` took 17, 16, 44, 78 and 161 ms
     (one row padded to two: MKL's one-column path is as slow as `linear`'s). On the output head (vocab x hidden,
     SmolLM2's 113 MB): 11, 25, 37 (7 rows) and 28 ms (32) against 3.3, 3.4, 7.7 and 19.5. Each output is the same
-    dot products summed in another order (differences ~1e-5 relative). These were measured on the main thread; off
-    it (a `threading.Thread`, where the servers run the model) `mm` itself ran about 2x slower and a 1k-token decode
-    step gained little (72.8 -> 67.3 ms, against 67.6 -> 39.8 on the main thread): not yet explained."""
+    dot products summed in another order (differences ~1e-5 relative). A 1k-token decode step fed alone took
+    67.6 -> 39.8 ms, but only 72.8 -> 67.3 ms on a second thread while the main thread held an OpenMP team: see
+    `on_passing_thread` for why, and how `load_model` and the servers avoid it."""
 
     ROWS = 64  # at most this many rows take `W @ x.T` (measured faster from 1 to 64)
 
@@ -233,12 +233,44 @@ def _few_rows_linears(model: torch.nn.Module) -> None:
                 setattr(parent, name, FewRowsLinear(child))
 
 
+def on_passing_thread(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a new thread that ends with it (its result returned, its exception raised).
+
+    Why: torch's CPU ops run on GNU OpenMP, which gives every thread that starts a parallel region a team of its
+    own, and while the process holds more OpenMP threads than CPUs, every team's threads stop spinning between
+    regions (libgomp's throttled spin count) and wait in the kernel instead. A decode step is hundreds of short
+    regions, so each one then pays a wake-up: 200 few-row matmuls took 21 ms on one thread's team and 40 ms once a
+    second, idle team existed (2 CPUs). Work done here leaves no team behind when the thread ends, so a server that
+    loads its model this way and runs it on one thread keeps a single team."""
+    import threading
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="kvmem-passing")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a registry model, a local folder or an HF id, ready for kvmem's cache.
 
     The model's attention implementation is set to kvmem's (plain SDPA unless a kvmem cache asks for more),
-    on this model object only.
+    on this model object only. The load runs `on_passing_thread`, so it leaves the caller's thread without an
+    OpenMP team: the thread that later runs the model is then the only one holding one.
     """
+    return on_passing_thread(_load_model, name_or_path, dtype)
+
+
+def _load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvmem.cache import ATTENTION_NAME, check_supported

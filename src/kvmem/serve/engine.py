@@ -225,6 +225,10 @@ def timeout_event(job: Job, choice: int, when: str) -> Event:
 
 
 class Engine:
+    """One sequence per worker thread (`kvmem serve --no-batching`). Each worker that runs the model holds an OpenMP
+    team of its own, so more than one worker on few CPUs makes every team's threads sleep between parallel regions
+    (`kvmem.models.on_passing_thread`): one worker with all the threads is the fast way to decode one at a time."""
+
     def __init__(self, lm: LoadedModel, store=None, workers: int = 1, queue: int = 16, on_finish: Callable | None = None):
         if workers < 1 or queue < 0:
             raise KVMemError(f"workers must be >= 1 and queue >= 0 (got {workers}, {queue})")

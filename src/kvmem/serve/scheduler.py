@@ -34,7 +34,10 @@ server's RSS returns towards where it was before the load.
 Greedy outputs do not depend on the batch: each row's attention reads only its own rows, so a row's logits are
 those it gets alone up to float rounding (the batched linear layers sum in another order, and a batch's attention
 runs in kvmem's kernel where a sequence alone keeps transformers' SDPA); tests check the tokens on both model
-families, for full, evicted, ragged and quantized caches. Embedding requests run beside the scheduler on one thread of their own.
+families, for full, evicted, ragged and quantized caches.
+
+Embedding requests run on the same thread, between two steps or two prefill pieces: a second thread running torch
+would slow every step (`kvmem.models.on_passing_thread`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -59,7 +62,7 @@ from kvmem.cache import KVCache
 from kvmem.compress import get_method
 from kvmem.errors import KVMemError
 from kvmem.generate import end_ids, feed, new_cache, step
-from kvmem.models import LoadedModel
+from kvmem.models import LoadedModel, on_passing_thread
 from kvmem.serve.engine import (Busy, Event, Job, Stopped, Stream, prefill_job, stop_if_ended, timeout_event,
                                 until_last)
 from kvmem.store.swap import pack_cache, unpack_cache
@@ -119,14 +122,16 @@ class Scheduler:
         self._own_swap_dir = swap_dir is None
         self._swap_dir = swap_dir or tempfile.mkdtemp(prefix="kvmem-swap-")
         self._swap = DiskTier(self._swap_dir)
-        self._bytes_per_token = _bytes_per_token(lm)  # per layer, with its window
+        # per layer, with its window; measured on a passing thread, so that only the model's thread holds an OpenMP team
+        self._bytes_per_token = on_passing_thread(_bytes_per_token, lm)
         self._kept_share: dict[tuple, float] = {}  # measured kept / full-cache estimate, per configuration
         self._ends = end_ids(lm)
         self._mean_s = 1.0  # running mean of a request's duration, for Retry-After
         self._idle_trimmed = True
         self._wake = threading.Condition()
         self._stopped = False
-        self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmem-embed")
+        self._calls: deque[tuple[Callable, Future]] = deque()  # embeddings, run between two steps
+        self._calls_owe_s = 0.0  # the time embeddings took while rows decoded, not yet given back to the steps
         self._thread = threading.Thread(target=self._loop, name="kvmem-scheduler", daemon=True)
         self._thread.start()
 
@@ -147,7 +152,8 @@ class Scheduler:
         with self._wake:
             self._wake.notify()
         self._thread.join(timeout=30)
-        self._embed_pool.shutdown(wait=False)
+        for _, future in self._calls:
+            future.cancel()
         if self._own_swap_dir:
             shutil.rmtree(self._swap_dir, ignore_errors=True)
 
@@ -160,11 +166,18 @@ class Scheduler:
                              f"waiting for KV memory (queue of {self.queue_size}); retry in {wait} s")
 
     async def call(self, fn: Callable, timeout_s: float):
-        """`fn()` on the embedding thread (requests `admit()`ted without a job)."""
-        future = asyncio.get_running_loop().run_in_executor(self._embed_pool, fn)
+        """`fn()` on the model's thread between two steps (requests `admit()`ted without a job, i.e. embeddings).
+
+        Not on a thread of their own: a second thread running torch would hold a second OpenMP team, which slows
+        every decode step (see `kvmem.models.on_passing_thread`)."""
+        future: Future = Future()
+        with self._wake:
+            self._calls.append((fn, future))
+            self._wake.notify()
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
         except TimeoutError:
+            future.cancel()  # a no-op once it has started
             raise KVMemError(f"timed out after {timeout_s:g} s") from None
 
     async def run(self, job: Job) -> AsyncIterator[Event]:
@@ -194,7 +207,24 @@ class Scheduler:
                 for request in list(self.requests.values()):
                     self._fail(request, 500, "server_error", f"{type(e).__name__}: {e}")
 
+    def _run_calls(self) -> None:
+        """The waiting embeddings; while rows decode, they share the thread with the steps in equal time (a call
+        runs once the steps since the last one took as long as it did), so a stream of them cannot stall the rows."""
+        if not self.rows:
+            self._calls_owe_s = 0.0
+        while self._calls and (not self.rows or self._calls_owe_s <= 0):
+            fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                t0 = time.monotonic()
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(e)
+                if self.rows:
+                    self._calls_owe_s += time.monotonic() - t0
+
     def _turn(self) -> None:
+        self._run_calls()
         self._drop_ended()
         self._resume()
         request = self._next_request()
@@ -208,7 +238,7 @@ class Scheduler:
                 return_freed_memory()
                 self._idle_trimmed = True
             with self._wake:
-                if not self.queue and not self._stopped:
+                if not self.queue and not self._calls and not self._stopped:
                     self._wake.wait(0.5)
 
     def _full_bytes(self, job: Job) -> float:
@@ -250,8 +280,9 @@ class Scheduler:
             return
         ended = stop_if_ended(job)
 
-        def interrupt():  # between prefill pieces: the running rows get their next token
+        def interrupt():  # between prefill pieces: the running rows get their next token, embeddings their turn
             ended()
+            self._run_calls()
             self._drop_ended()
             if self.rows:
                 self._step()
@@ -291,7 +322,9 @@ class Scheduler:
 
     def _step(self) -> None:
         """One token for every running row, in one forward."""
+        t0 = time.monotonic()
         logits = step(self.lm, self.batch, [[r.stream.out[-1]] for r in self.rows])
+        self._calls_owe_s = max(0.0, self._calls_owe_s - (time.monotonic() - t0))
         self.steps += 1
         for row, row_logits in zip(list(self.rows), logits):
             if not row.stream.push(row_logits):
