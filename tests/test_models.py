@@ -31,7 +31,15 @@ def test_embedded_models_answer(name, request):
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_few_rows_linears_give_linears_outputs_from_the_models_own_weights(name, request):
+@pytest.mark.parametrize("built", [True, False], ids=["kernel", "mm"])
+def test_few_rows_linears_give_linears_outputs_from_the_models_own_weights(name, built, request, monkeypatch):
+    """Through the few-rows kernel (`linear.cpp`) and, where it is not built, through `W @ x.T`."""
+    from kvmem import kernel
+
+    assert kernel.available()
+    if not built:
+        monkeypatch.setattr(kernel, "available", lambda: False)
+        monkeypatch.setattr(kernel, "few_rows_linear", None)  # not called
     lm = request.getfixturevalue(name)
     linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is FewRowsLinear for m in linears)
@@ -40,16 +48,20 @@ def test_few_rows_linears_give_linears_outputs_from_the_models_own_weights(name,
         assert head.weight is lm.model.get_input_embeddings().weight
     for layer in (head, linears[0]):
         hidden = torch.randn(80, 1, layer.in_features) * 3
-        for rows in (1, 2, 7, 80):  # 80 > ROWS: linear itself
+        for rows in (1, 2, 7, 13, 64, 80):  # 80 > ROWS: linear itself
             want = torch.nn.functional.linear(hidden[:rows], layer.weight, layer.bias)
             with torch.no_grad():
                 got = layer(hidden[:rows])
             assert got.shape == want.shape and got.is_contiguous()
             assert torch.allclose(got, want, atol=1e-3, rtol=1e-4)
-    small = FewRowsLinear(torch.nn.Linear(8, 5))  # with a bias; no rows at all, and any leading shape
-    for shape in [(0, 8), (1, 8), (1, 0, 8), (2, 3, 8)]:
+    small = FewRowsLinear(torch.nn.Linear(21, 5))  # a bias, inputs not a multiple of 16; no rows, any leading shape
+    for shape in [(0, 21), (1, 21), (1, 0, 21), (2, 3, 21), (9, 21)]:
         x = torch.randn(*shape)
-        torch.testing.assert_close(small(x), torch.nn.functional.linear(x, small.weight, small.bias))
+        with torch.no_grad():
+            torch.testing.assert_close(small(x), torch.nn.functional.linear(x, small.weight, small.bias))
+    x = torch.randn(3, 21)
+    small(x).sum().backward()  # with gradients wanted it is `linear` itself
+    assert small.weight.grad is not None and small.weight.grad.shape == (5, 21)
 
 
 def test_fingerprints_differ_and_are_stable(smollm2, gemma3):

@@ -378,7 +378,10 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, s
   return out;
 }
 
+torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w);  // linear.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("few_rows_linear", &few_rows_linear, "x (N, in) @ w (out, in)^T for a few rows (N <= 64), float32");
   m.def("decode_attention", &decode_attention,
         "decode-step attention of B sequences over their packed KIVI codes (if any) and full-precision rows");
 }

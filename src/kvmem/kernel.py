@@ -1,4 +1,4 @@
-"""The decode-step attention kernel (`kernel.cpp`), built once per machine on first use.
+"""The decode-step kernels (`kernel.cpp`, `linear.cpp`), built once per machine on first use.
 
 `decode_attention(query, rows, scaling)` computes one query token's attention for every sequence of a batch in one
 call, parallel over (sequence, KV head), each query head over the rows its KV head holds, all visible (no mask):
@@ -8,6 +8,9 @@ call, parallel over (sequence, KV head), each query head over the rows its KV he
   a float32 copy of every row each step;
 * full-precision rows: a quantized layer's residual, or an evicted layer's heads of different lengths, which SDPA
   would read head by head (one call each, on one thread).
+
+`few_rows_linear(x, weight)` is a decode step's linear layer for up to 64 rows (`models.FewRowsLinear`): one read
+of the weights for every row, where MKL's GEMM for a few rows costs several (see `linear.cpp`).
 
 One call per batch rather than per sequence keeps both threads busy (one sequence's 3 KV heads left one idle half
 the time). torch builds it with the system's C++ compiler and ninja into torch's extension cache (about 30 s, once).
@@ -27,7 +30,7 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("kernel.cpp")
+SOURCES = [Path(__file__).with_name("kernel.cpp"), Path(__file__).with_name("linear.cpp")]
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -46,7 +49,7 @@ def _load():
 
             # pip's ninja lives beside the interpreter, which need not be on PATH (a venv used without activation)
             os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-            _module = load(name="kvmem_decode_attention", sources=[str(SOURCE)],
+            _module = load(name="kvmem_decode_attention", sources=[str(s) for s in SOURCES],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # no compiler, no ninja, no Python headers: PyTorch's path serves instead
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -56,6 +59,11 @@ def _load():
 
 def available() -> bool:
     return _load() is not None
+
+
+def few_rows_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x (N, in) @ weight (out, in).T for 1 <= N <= 64, float32 on the CPU; needs `available()`."""
+    return _load().few_rows_linear(x, weight)
 
 
 def decode_attention(query: Tensor, rows: list, scaling: float) -> Tensor:

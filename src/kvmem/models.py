@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from filelock import FileLock
 
+from kvmem import kernel
 from kvmem.errors import KVMemError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -194,19 +195,18 @@ def fingerprint(model: torch.nn.Module, tokenizer, weights_hash: str) -> str:
 
 
 class FewRowsLinear(torch.nn.Linear):
-    """A linear layer computed as `W @ x.T` when it takes a few rows of float32 on the CPU (a decode step: one token
-    per sequence), `linear` otherwise. kvmem's models use it for every linear layer (`load_model`).
+    """A linear layer that takes a few rows of float32 on the CPU (a decode step: one token per sequence) through a
+    kernel of its own, and anything else through `linear`. kvmem's models use it for every linear layer
+    (`load_model`).
 
-    For few rows, MKL's `linear` (`x @ W.T`) is slow and uneven on weights that come from memory rather than the CPU
-    cache, which a decode step's weights do. Measured here, all 30 SmolLM2 layers' projections with their weights
-    cold: 42 ms for 1 row, 63 for 2, 82 for 7, 104 for 32 and 178 for 64; `W @ x.T` took 17, 16, 44, 78 and 161 ms
-    (one row padded to two: MKL's one-column path is as slow as `linear`'s). On the output head (vocab x hidden,
-    SmolLM2's 113 MB): 11, 25, 37 (7 rows) and 28 ms (32) against 3.3, 3.4, 7.7 and 19.5. Each output is the same
-    dot products summed in another order (differences ~1e-5 relative). A 1k-token decode step fed alone took
-    67.6 -> 39.8 ms, but only 72.8 -> 67.3 ms on a second thread while the main thread held an OpenMP team: see
-    `on_passing_thread` for why, and how `load_model` and the servers avoid it."""
+    A CPU decode step is bound by reading the weights, but MKL's GEMM for a few rows is not: all 30 SmolLM2 layers'
+    projections took 41 ms a step for 1 row, 64 for 2, 56 for 7 and 66 for 16 through `linear` (weights cold, on
+    the model's thread), and `W @ x.T` took 15 ms for 2 rows but 41 for 7 and 80 for 14. `kernel.few_rows_linear`
+    streams the weights once for all rows (`linear.cpp`). Where the kernel is not built, `W @ x.T` serves (one row
+    padded to two: MKL's one-column path is as slow as `linear`'s). Each output is the same dot product summed in
+    another order (differences ~1e-6 relative)."""
 
-    ROWS = 64  # at most this many rows take `W @ x.T` (measured faster from 1 to 64)
+    ROWS = 64  # at most this many rows take the few-rows path
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
@@ -215,11 +215,15 @@ class FewRowsLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
-        if not 0 < n <= self.ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+        if not 0 < n <= self.ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad \
+                or self.weight.requires_grad and torch.is_grad_enabled():
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if n == 1:
-            rows = torch.cat([rows, rows.new_zeros(rows.shape)])
-        out = torch.mm(self.weight, rows.t()).t()[:n]
+        if kernel.available():
+            out = kernel.few_rows_linear(rows, self.weight)
+        else:
+            if n == 1:
+                rows = torch.cat([rows, rows.new_zeros(rows.shape)])
+            out = torch.mm(self.weight, rows.t()).t()[:n]
         if self.bias is not None:
             out = out + self.bias
         return out.contiguous().reshape(*x.shape[:-1], self.out_features)
