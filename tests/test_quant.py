@@ -336,3 +336,32 @@ def test_quantized_rows_export_and_import_exactly_as_held(tiny_llama):
                           {**exported[0].meta, "heads": [{**m, "k.__type": "os.system"} for m in exported[0].meta["heads"]]})
     with pytest.raises(KVMemError, match="unknown type"):
         KVCache(tiny_llama.config, quant=spec).layers[0].import_rows(forged)
+
+
+def test_heads_of_different_lengths_encode_their_blocks_together_with_a_bounded_residual():
+    """Heads evicted to different lengths fill their blocks at different steps; a decode step's flush waits until
+    every head has a block (or one has two), so the heads are encoded in one pass, and no residual passes
+    residual + 2 * group - 1 rows. Every row stays, in order."""
+    from kvmem.quant.base import QuantizedRows
+    from kvmem.quant.kivi import KIVI
+
+    scheme, d = KIVI(4), 64
+    lengths = [130, 151, 200, 3]  # residual 128, group 32: one head has a block, one has two, one has none
+    keys = [torch.randn(n, d) for n in lengths]
+    rows = QuantizedRows.of(scheme, keys, [k + 1 for k in keys], [torch.arange(n, dtype=torch.int32) for n in lengths])
+    flushes = []
+    for step in range(200):
+        encoded = [p.numel() for p in rows.pq]
+        new = torch.randn(len(lengths), 1, d)
+        rows.append(new, new + 1, torch.tensor([1000 + step], dtype=torch.int32))
+        rows.flush()
+        grew = [p.numel() > e for p, e in zip(rows.pq, encoded)]
+        if any(grew):
+            flushes.append(grew)
+        assert max(rows.res.lengths()) <= scheme.residual + 2 * scheme.group - 1
+    assert rows.lengths() == [n + 200 for n in lengths]
+    first_together = [all(g) for g in flushes].index(True)  # before it, the short head had no block yet
+    assert first_together > 0 and all(all(g) for g in flushes[first_together:])
+    assert len(flushes) <= 200 // scheme.group + 2  # head by head would be about 3x as many
+    for (k, _, p), n in zip(rows.heads(), lengths):
+        assert torch.equal(p[-200:], torch.arange(1000, 1200, dtype=torch.int32)) and k.shape[0] == n + 200

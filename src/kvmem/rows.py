@@ -203,6 +203,7 @@ class PaddedRows(Rows):
         for h, (k, v, p, n) in enumerate(zip(keys, values, positions, self.n)):
             self.k[h, :n], self.v[h, :n], self.p[h, :n] = k, v, p
         self.grow = grow
+        self._next: Tensor | None = None  # `append`'s write index, made when first needed
 
     def lengths(self) -> list[int]:
         return list(self.n)
@@ -216,12 +217,15 @@ class PaddedRows(Rows):
             spare = q + self.grow
             grow = lambda t: torch.cat([t, t.new_empty((t.shape[0], spare, *t.shape[2:]))], dim=1)  # noqa: E731
             self.k, self.v, self.p = grow(self.k), grow(self.v), grow(self.p)
-        cap = self.k.shape[1]
-        # each head's next free rows in the buffers seen as (H * capacity) rows: one index_copy_ per tensor
-        at = (torch.tensor([h * cap + n for h, n in enumerate(self.n)])[:, None] + torch.arange(q)).flatten()
+            self._next = None
+        if self._next is None:  # each head's next free row in the buffers seen as (H * capacity) rows
+            cap = self.k.shape[1]
+            self._next = torch.tensor([h * cap + n for h, n in enumerate(self.n)])
+        at = self._next if q == 1 else (self._next[:, None] + torch.arange(q)).flatten()
         self.k.view(-1, self.k.shape[-1]).index_copy_(0, at, keys.reshape(heads * q, -1))
         self.v.view(-1, self.v.shape[-1]).index_copy_(0, at, values.reshape(heads * q, -1))
         self.p.view(-1).index_copy_(0, at, positions.repeat(heads))
+        self._next = self._next + q  # kept between appends: building it cost more than a decode step's copies
         self.n = [n + q for n in self.n]
 
     def kv_tensors(self) -> list[Tensor]:
