@@ -35,8 +35,10 @@ def server():
 
 @pytest.fixture(scope="module")
 def single():
-    """The server without batching: one worker decodes one request at a time, one more may wait."""
-    with LocalServer(["--no-batching", "--workers", "1", "--queue", "1", "--threads", "2"]) as s:
+    """The server without batching: one worker decodes one request at a time, one more may wait. One torch thread:
+    beside the other pytest worker, a 2-thread server's parallel regions wait for a descheduled thread (60 tokens
+    took over 60 s under `make test`), which this module's timeouts are not about."""
+    with LocalServer(["--no-batching", "--workers", "1", "--queue", "1", "--threads", "1"]) as s:
         yield s
 
 
