@@ -59,6 +59,9 @@ def test_few_rows_linears_give_linears_outputs_from_the_models_own_weights(name,
         x = torch.randn(*shape)
         with torch.no_grad():
             torch.testing.assert_close(small(x), torch.nn.functional.linear(x, small.weight, small.bias))
+    half = FewRowsLinear(torch.nn.Linear(21, 5).to(torch.bfloat16))  # weights not float32: linear, no kernel error
+    with torch.no_grad():
+        assert half(torch.randn(2, 21, dtype=torch.bfloat16)).dtype == torch.bfloat16
     x = torch.randn(3, 21)
     small(x).sum().backward()  # with gradients wanted it is `linear` itself
     assert small.weight.grad is not None and small.weight.grad.shape == (5, 21)

@@ -215,7 +215,8 @@ class FewRowsLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
-        if not 0 < n <= self.ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad \
+        if not 0 < n <= self.ROWS or x.dtype != torch.float32 or self.weight.dtype != torch.float32 \
+                or x.device.type != "cpu" or x.requires_grad \
                 or self.weight.requires_grad and torch.is_grad_enabled():
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if kernel.available():
