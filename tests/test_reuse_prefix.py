@@ -12,11 +12,14 @@ from typer.testing import CliRunner
 
 from kvmem.cache import KVCache
 from kvmem.cli import app
+from kvmem.compress import get_method
 from kvmem.eval.tasks import load_abstracts
-from kvmem.generate import answer
+from kvmem.generate import answer, new_cache
 from kvmem.prompts import build_prompt
+from kvmem.quant import QuantizedRows
 from kvmem.reuse import prefill
-from kvmem.store import ChunkStore
+from kvmem.reuse.prefix import ReuseReport, load_span
+from kvmem.store import ChunkStore, StoreWarning
 
 DOC = " ".join(load_abstracts()[:5])
 FACT = " The vault code of the Orion lab is 4471."
@@ -78,3 +81,44 @@ def test_generate_twice_says_what_it_reused(tmp_path):
     reused, total = map(int, re.search(r"reused (\d+) of (\d+) prompt tokens", second.output).groups())
     assert 512 < reused < total and "took" in second.output  # the whole document (its partial chunk too), not the question
     assert first.output.splitlines()[0] == second.output.splitlines()[0]  # the same answer
+
+
+def test_a_quantized_compressed_context_is_stored_and_loaded_as_held(smollm2):
+    """Its codes go to the store and come back bit for bit, nothing re-encoded; a stored span whose encoded rows are
+    bad (here a non-finite scale) is discarded and recomputed, never decoded."""
+    lm = smollm2
+    store = ChunkStore("memory", chunk_size=128)
+    q = "What is the vault code of the Orion lab?"
+    a = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.5, quant="kivi-8", max_new_tokens=8, store=store)
+    b = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.5, quant="kivi-8", max_new_tokens=8, store=store)
+    assert not a.reuse.span and b.reuse.span and b.tokens == a.tokens and b.kv_bytes == a.kv_bytes
+    ids = build_prompt(lm.tokenizer, DOC[:2500] + FACT, q).context
+    compression = "snapkv@0.5+kivi-8"
+    loaded = store.load(lm, store.span_key(lm, ids, compression), 0, len(ids), compression)
+    assert all(rows.codec == "kivi-8" for rows in loaded.layers)  # codes, not decoded rows
+    raw_bytes = sum(h["positions"].numel() * (h["residual_keys"].shape[1] * 2 * 4) for r in loaded.layers for h in r.heads)
+    assert loaded.nbytes < 0.8 * raw_bytes  # 8-bit codes (and a float32 residual of up to 128 rows): under float32 rows
+    # bit for bit: a cache loaded twice holds the same codes, and saving it again stores the same span
+    c1, c2 = (new_cache(lm, get_method("snapkv"), "kivi-8") for _ in range(2))
+    assert load_span(lm, c1, store, ids, compression, ReuseReport()) and load_span(lm, c2, store, ids, compression, ReuseReport())
+    r1, r2 = c1.layers[3].rows, c2.layers[3].rows
+    assert type(r1) is QuantizedRows and all(torch.equal(x.packed, y.packed) and torch.equal(x.scale, y.scale)
+                                             for x, y in zip(r1.qk, r2.qk) if x is not None)
+    exported = r1.export_rows()
+    again = loaded.layers[3]
+    assert all(torch.equal(exported.heads[h][f], again.heads[h][f]) for h in range(len(exported.heads)) for f in exported.heads[h])
+    # bad encoded rows behind a valid frame: discarded at load, the next answer recomputes the context
+    bad = [layer.export_rows() for layer in c1.layers]
+    scale = next(k for k in bad[5].heads[0] if k.endswith("scale"))
+    bad[5].heads[0][scale] = torch.full_like(bad[5].heads[0][scale], float("nan"))
+    store.save(lm, store.span_key(lm, ids, compression), bad, 0, len(ids), compression, 1.0)
+    with pytest.warns(StoreWarning, match="non-finite"):  # caught by the store's check
+        assert not load_span(lm, new_cache(lm, get_method("snapkv"), "kivi-8"), store, ids, compression, ReuseReport())
+    bad = [layer.export_rows() for layer in c1.layers]
+    head = bad[7].heads[1]  # one residual row fewer than its positions say: caught when imported against the scheme
+    head["residual_keys"], head["residual_values"] = head["residual_keys"][:-1], head["residual_values"][:-1]
+    store.save(lm, store.span_key(lm, ids, compression), bad, 0, len(ids), compression, 1.0)
+    with pytest.warns(StoreWarning, match="do not add up"):
+        assert not load_span(lm, new_cache(lm, get_method("snapkv"), "kivi-8"), store, ids, compression, ReuseReport())
+    d = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.5, quant="kivi-8", max_new_tokens=8, store=store)
+    assert not d.reuse.span and d.tokens == a.tokens

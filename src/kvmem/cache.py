@@ -195,17 +195,21 @@ class KVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n_new = key_states.shape[2]
         position_ids = kwargs.get("position_ids")
-        if position_ids is not None:
-            new_pos = position_ids.reshape(-1)[-n_new:].to(device=self.device, dtype=torch.int32)
+        if "kvmem_new_pos" in kwargs:  # a RowBatch's row: its positions as int32 and their ends, made once a forward
+            new_pos, first, last = kwargs["kvmem_new_pos"]
         else:
-            new_pos = torch.arange(self.next_position, self.next_position + n_new, dtype=torch.int32, device=self.device)
-        if int(new_pos[0]) != self.next_position:
+            if position_ids is not None:
+                new_pos = position_ids.reshape(-1)[-n_new:].to(device=self.device, dtype=torch.int32)
+            else:
+                new_pos = torch.arange(self.next_position, self.next_position + n_new, dtype=torch.int32, device=self.device)
+            first, last = int(new_pos[0]), int(new_pos.max())
+        if first != self.next_position:
             self.compressed = True
         self.rows.append(key_states[0], value_states[0], new_pos)
         self.observation.appended(n_new)
         if self.log_weights is not None:  # new tokens are one token each
             self.log_weights = [torch.cat([w, w.new_zeros(n_new)]) for w in self.log_weights]
-        self.next_position = max(self.next_position, int(new_pos.max()) + 1)
+        self.next_position = max(self.next_position, last + 1)
         # What attention sees, taken before a sliding layer drops what later tokens cannot see.
         if self._decodes_in_place(new_pos, kwargs.get("kvmem_batched", False)):  # codes read where they are, not decoded
             kwargs["kvmem_decode"] = self.rows
@@ -260,13 +264,16 @@ class KVLayer(CacheLayerMixin):
     def _flat_rows(self, new_pos: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         """A quantized layer whose heads hold different numbers of rows, every head decoded in one pass onto one row
         axis (`QuantizedRows.flat`): keys and values (1, 1, N, D) and which rows each KV head's queries may see
-        (H, Q, N). None where the rows are not quantized or cannot be joined, or where the scorers need the rows per
-        head (tracked attention, a compressor, row log-weights): then attention runs head by head."""
+        (H, Q, N). None where the rows are not quantized or cannot be joined, where the scorers need the rows per
+        head (tracked attention, a compressor, row log-weights), or for several new tokens: then attention runs head by
+        head."""
         # (full-precision ragged rows stay head by head here, in forwards the kernel does not take: copying them onto one
         # axis every step measured 1.2x slower)
         if self.quant is None or self.log_weights is not None or self.compressor is not None \
                 or self.observation.track_attention or not hasattr(self.rows, "flat"):
             return None
+        if new_pos.numel() > 1:  # several queries: each query head reading every head's rows costs more than it saves
+            return None  # (a 21-token question over kvzip@0.5+kivi-8 at 4k: 224 ms flat, 170 ms head by head)
         flat = self.rows.flat()
         if flat is None:
             return None

@@ -310,17 +310,17 @@ void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vect
 // KV heads' encoded rows joined along rows: kp[b] (N_b, D*kbits/8) uint8, ks/kz[b] (D, N_b/group_k) half, vp[b]
 // (N_b, D*vbits/8) uint8, vs/vz[b] (N_b, D/group_v) half, off[b] (H+1) int64 (head h's rows are [off[h], off[h+1]),
 // multiples of group_k), or every one of these lists empty (full-precision rows only); its full-precision rows per
-// head: rk/rv[b * H + h] (R, D) float32. Returns (B, Hq, D) float32.
+// head: rk/rv[b * H + h] (R, D) float32, of which the first rn[b * H + h] rows are read. Returns (B, Hq, D) float32.
 torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, std::vector<torch::Tensor> ks,
                                std::vector<torch::Tensor> kz, int64_t kbits, int64_t group_k, std::vector<torch::Tensor> vp,
                                std::vector<torch::Tensor> vs, std::vector<torch::Tensor> vz, int64_t vbits, int64_t group_v,
                                std::vector<torch::Tensor> off, std::vector<torch::Tensor> rk, std::vector<torch::Tensor> rv,
-                               double scaling) {
+                               std::vector<int64_t> rn, double scaling) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3);
   q = q.contiguous();
   const int64_t B = q.size(0), hq = q.size(1), d = q.size(2);
   const bool coded = !kp.empty();
-  TORCH_CHECK(B >= 1 && rk.size() == rv.size() && (int64_t)rk.size() % B == 0);
+  TORCH_CHECK(B >= 1 && rk.size() == rv.size() && rn.size() == rk.size() && (int64_t)rk.size() % B == 0);
   TORCH_CHECK(!coded || ((int64_t)kp.size() == B && (int64_t)ks.size() == B && (int64_t)kz.size() == B &&
                          (int64_t)vp.size() == B && (int64_t)vs.size() == B && (int64_t)vz.size() == B &&
                          (int64_t)off.size() == B));
@@ -361,13 +361,15 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, s
     }
     for (int64_t h = 0; h < heads; ++h) {
       auto rkh = ready(rk[b * heads + h], torch::kFloat), rvh = ready(rv[b * heads + h], torch::kFloat);
-      TORCH_CHECK(rkh.size(0) == rvh.size(0) && (rkh.numel() == 0 || (rkh.size(1) == d && rvh.size(1) == d)));
+      const int64_t rows = rn[b * heads + h];
+      TORCH_CHECK(rows >= 0 && rows <= rkh.size(0) && rows <= rvh.size(0) &&
+                  (rows == 0 || (rkh.size(1) == d && rvh.size(1) == d)));
       if (coded) TORCH_CHECK(o[h] % group_k == 0 && o[h] <= o[h + 1]);
       head.q = q.data_ptr<float>() + (b * hq + h * L.groups) * d;
       head.out = out.data_ptr<float>() + (b * hq + h * L.groups) * d;
       head.e0 = coded ? o[h] : 0;
       head.e1 = coded ? o[h + 1] : 0;
-      head.rk = rkh.data_ptr<float>(); head.rv = rvh.data_ptr<float>(); head.r = rkh.size(0);
+      head.rk = rkh.data_ptr<float>(); head.rv = rvh.data_ptr<float>(); head.r = rows;
       work.push_back(head);
     }
   }

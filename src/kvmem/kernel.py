@@ -70,7 +70,7 @@ def decode_attention(query: Tensor, rows: list, scaling: float) -> Tensor:
     """query (B, Hq, D) float32; rows[b] the b-th sequence's `kvmem.rows.KernelRows`: its KV heads' encoded rows
     joined along rows (`Quantized`, `pack.concat`; head h's at offsets[h]:offsets[h + 1]; every sequence at the same
     bits and groups) or None for every sequence (full-precision rows only), and per head its full-precision rows
-    (R, D) float32. Returns (B, Hq, D)."""
+    (R, D) float32 (of which the first `residual_rows[h]` are read, where given). Returns (B, Hq, D)."""
     coded = [r for r in rows if r.keys is not None]
     if coded and len(coded) != len(rows):
         raise ValueError("one decode_attention call takes sequences with codes or sequences without, not both")
@@ -81,4 +81,6 @@ def decode_attention(query: Tensor, rows: list, scaling: float) -> Tensor:
                                     [v.scale for v in values], [v.zero for v in values], v0.bits if v0 else 8,
                                     v0.group if v0 else query.shape[-1], [r.offsets for r in coded],
                                     [k for r in rows for k in r.residual_keys],
-                                    [v for r in rows for v in r.residual_values], scaling)
+                                    [v for r in rows for v in r.residual_values],
+                                    [n for r in rows for n in (r.residual_rows or (k.shape[0] for k in r.residual_keys))],
+                                    scaling)

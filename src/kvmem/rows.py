@@ -56,6 +56,7 @@ class KernelRows(NamedTuple):
     offsets: Tensor | None
     residual_keys: list[Tensor]
     residual_values: list[Tensor]
+    residual_rows: list[int] | None = None  # rows read of each head's residual buffers (None: all of them)
 
 
 class Rows:
@@ -113,8 +114,13 @@ class Rows:
         return ("float32",)
 
     def kernel_rows(self) -> KernelRows:
+        return KernelRows(None, None, None, *self.kernel_heads())
+
+    def kernel_heads(self) -> tuple[list[Tensor], list[Tensor], list[int]]:
+        """Per head its keys' and values' buffers as the decode kernel reads them (they may hold spare rows past the
+        head's) and how many rows each holds."""
         heads = self.heads()
-        return KernelRows(None, None, None, [k for k, _, _ in heads], [v for _, v, _ in heads])
+        return [k for k, _, _ in heads], [v for _, v, _ in heads], self.lengths()
 
     def attend_kernel(self, query: Tensor, rows: list[KernelRows], scaling: float) -> Tensor:
         """query (B, Hq, D) over B sequences' `kernel_rows` of this kind: (B, Hq, D)."""
@@ -152,6 +158,9 @@ class DenseRows(Rows):
             self.p = torch.cat([p, p.new_empty((p.shape[0], spare))], dim=1)
         self.k[:, self.n:self.n + q], self.v[:, self.n:self.n + q], self.p[:, self.n:self.n + q] = keys, values, positions
         self.n += q
+
+    def kernel_heads(self) -> tuple[list[Tensor], list[Tensor], list[int]]:
+        return (*_head_buffers(self), self.lengths())
 
     def kv_tensors(self) -> list[Tensor]:
         return [self.k, self.v]
@@ -224,9 +233,12 @@ class PaddedRows(Rows):
         at = self._next if q == 1 else (self._next[:, None] + torch.arange(q)).flatten()
         self.k.view(-1, self.k.shape[-1]).index_copy_(0, at, keys.reshape(heads * q, -1))
         self.v.view(-1, self.v.shape[-1]).index_copy_(0, at, values.reshape(heads * q, -1))
-        self.p.view(-1).index_copy_(0, at, positions.repeat(heads))
-        self._next = self._next + q  # kept between appends: building it cost more than a decode step's copies
+        self.p.view(-1).index_copy_(0, at, positions.expand(heads, q).reshape(-1) if q > 1 else positions.expand(heads))
+        self._next += q  # kept between appends: building it cost more than a decode step's copies
         self.n = [n + q for n in self.n]
+
+    def kernel_heads(self) -> tuple[list[Tensor], list[Tensor], list[int]]:
+        return (*_head_buffers(self), self.lengths())
 
     def kv_tensors(self) -> list[Tensor]:
         return [self.k, self.v]
@@ -253,6 +265,14 @@ def store_rows(keys: list[Tensor], values: list[Tensor], positions: list[Tensor]
     if padded:
         return PaddedRows(keys, values, positions, grow)
     return RaggedRows([_own(k) for k in keys], [_own(v) for v in values], [_own(p) for p in positions], n, grow)
+
+
+def _head_buffers(rows) -> tuple[list[Tensor], list[Tensor]]:
+    """Per head a view of a (H, capacity, D) storage's key and value buffers, made again only when the buffers are."""
+    cached = getattr(rows, "_head_views", None)
+    if cached is None or cached[0] is not rows.k or cached[1] is not rows.v:
+        cached = rows._head_views = (rows.k, rows.v, list(rows.k.unbind(0)), list(rows.v.unbind(0)))
+    return cached[2], cached[3]
 
 
 def _own(t: Tensor) -> Tensor:

@@ -245,8 +245,7 @@ class QuantizedRows(Rows):
     def kernel_rows(self) -> KernelRows:
         """The codes and the residual (views, nothing copied); only where `decodes_in_place()`."""
         keys, values, _, _, offsets = self._joined(stacked=False)
-        res = self.res.heads()
-        return KernelRows(keys, values, offsets, [k for k, _, _ in res], [v for _, v, _ in res])
+        return KernelRows(keys, values, offsets, *self.res.kernel_heads())
 
     def attend_kernel(self, query: Tensor, rows: list[KernelRows], scaling: float) -> Tensor:
         return self.scheme.decode_attention(query, rows, scaling)

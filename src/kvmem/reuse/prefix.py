@@ -13,6 +13,7 @@ come back as they were.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,8 +21,9 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
+from kvmem.quant import QuantizedRows
 from kvmem.rows import ExportedRows
-from kvmem.store.store import ChunkStore, Loaded
+from kvmem.store.store import ChunkStore, Loaded, StoreWarning
 
 
 @dataclass
@@ -195,8 +197,16 @@ def load_span(lm, cache: KVCache, store: ChunkStore, ids: list[int], compression
     if got is None:
         return False
     t = time.perf_counter()
-    for layer, rows in zip(cache.layers, got.layers):
-        layer.import_rows(rows, len(ids))
+    try:
+        for layer, rows in zip(cache.layers, got.layers):
+            layer.import_rows(rows, len(ids))
+    except KVMemError as e:  # rows held encoded are checked here, against the layer's scheme: never decode from bad ones
+        warnings.warn(f"kvmem store: span {store.span_key(lm, ids, compression)[:12]} discarded ({e}); recomputing",
+                      StoreWarning, stacklevel=2)
+        store.discard(store.span_key(lm, ids, compression))
+        for layer in cache.layers:
+            layer.reset()
+        return False
     report.import_s += time.perf_counter() - t
     report.add_load(got, len(ids))
     report.chunks_loaded, report.span, report.prompt_tokens = 1, True, len(ids)
@@ -206,6 +216,9 @@ def load_span(lm, cache: KVCache, store: ChunkStore, ids: list[int], compression
 
 def save_span(lm, cache: KVCache, store: ChunkStore, ids: list[int], compression: str, compute_s: float,
               full_kv_bytes: int | None = None) -> bool:
-    """Store the compressed context the cache holds for exactly `ids` (and the bytes it held uncompressed)."""
-    return store.save(lm, store.span_key(lm, ids, compression), chunk_rows(cache, 0, len(ids)), 0, len(ids),
-                      compression, compute_s, {"full_kv_bytes": full_kv_bytes})
+    """Store the compressed context the cache holds for exactly `ids` (and the bytes it held uncompressed). Quantized
+    layers go as held, still encoded, where the store's codec keeps them so (`raw`): loading them re-encodes nothing."""
+    held = store.codec.carries_encoded and all(type(layer.rows) is QuantizedRows for layer in cache.layers)
+    layers = [layer.export_rows() for layer in cache.layers] if held else chunk_rows(cache, 0, len(ids))
+    return store.save(lm, store.span_key(lm, ids, compression), layers, 0, len(ids), compression, compute_s,
+                      {"full_kv_bytes": full_kv_bytes})

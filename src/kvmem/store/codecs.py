@@ -3,7 +3,9 @@
 A codec has a canonical `spec` and a `version`; both go into the chunk keys' namespace and into every
 stored chunk, and a chunk of another codec or version is refused on read (recomputed, never decoded).
 
-* `raw`: keys and values in the model's dtype, bit for bit (reuse is exact).
+* `raw`: rows as the cache held them, bit for bit (reuse is exact): keys and values in the model's dtype, or a
+  quantized layer's codes as it held them (`ExportedRows` of its scheme's codec: a stored compressed span of a
+  quantized cache is loaded without re-encoding, and reads a quarter of the bytes at 8 bits).
 * `quant:<scheme>`: any `kvmem.quant` scheme (e.g. `quant:kivi-8`, `quant:kvquant-2`), every full block
   of `group` rows encoded (no full-precision residual window in storage), the rest raw.
 * `cachegen`: CacheGen's bitstream (quantize, delta against anchor tokens, arithmetic-code); `cachegen.py`.
@@ -29,6 +31,7 @@ class Codec:
     name: ClassVar[str]
     version: ClassVar[int] = 1
     lossless: ClassVar[bool] = False
+    carries_encoded: ClassVar[bool] = False  # stores rows a quantized layer exports encoded, and gives them back as such
 
     @property
     def spec(self) -> str:
@@ -61,20 +64,31 @@ def _tensor(tensors: dict[str, Tensor], key: str) -> Tensor:
 class RawCodec(Codec):
     name = "raw"
     lossless = True
+    carries_encoded = True
 
     def encode(self, layers: list[ExportedRows]) -> tuple[dict[str, Tensor], dict]:
         tensors: dict[str, Tensor] = {}
+        encoded = []  # per layer: None (raw rows), or the codec, metadata and field names of rows held encoded
         for l, rows in enumerate(layers):
             for h, head in enumerate(rows.heads):
                 for field, t in head.items():
                     tensors[f"{l}.{h}.{field}"] = t.contiguous()
-        return tensors, {"heads": [len(r.heads) for r in layers],
-                         "weighted": [any("log_weights" in h for h in r.heads) for r in layers]}
+            encoded.append(None if rows.codec == "raw" else
+                           {"codec": rows.codec, "meta": rows.meta, "fields": [sorted(head) for head in rows.heads]})
+        meta = {"heads": [len(r.heads) for r in layers], "weighted": [any("log_weights" in h for h in r.heads) for r in layers]}
+        return tensors, meta | ({"encoded": encoded} if any(encoded) else {})
 
     def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
         fields = ("keys", "values", "positions")
         out = []
-        for l, (n_heads, weighted) in enumerate(zip(meta["heads"], meta["weighted"])):
+        encoded = meta.get("encoded") or [None] * len(meta["heads"])
+        for l, (n_heads, weighted, held) in enumerate(zip(meta["heads"], meta["weighted"], encoded)):
+            if held is not None:  # checked against the layer's scheme when imported (QuantizedRows.import_encoded)
+                if len(held["fields"]) != n_heads:
+                    raise KVMemError(f"layer {l}: {len(held['fields'])} heads of encoded fields, {n_heads} heads")
+                heads = [{f: _tensor(tensors, f"{l}.{h}.{f}") for f in names} for h, names in enumerate(held["fields"])]
+                out.append(ExportedRows(heads, held["codec"], held["meta"]))
+                continue
             heads = []
             for h in range(n_heads):
                 head = {f: _tensor(tensors, f"{l}.{h}.{f}") for f in fields + (("log_weights",) if weighted else ())}

@@ -226,6 +226,9 @@ def _check_rows(lm, layers: list[ExportedRows], start: int, end: int, exact: boo
         if len(rows.heads) != kv_heads:
             raise chunk.CorruptChunk(f"layer {l}: {len(rows.heads)} KV heads, the model has {kv_heads}")
         want = expected_positions(window, start, end) if exact else None
+        if rows.codec != "raw":  # a quantized layer's rows as held: its positions and residual here, its codes on import
+            _check_encoded(l, rows, kv_heads, head_dim, start, end)
+            continue
         for h, head in enumerate(rows.heads):
             k, v, p = head["keys"], head["values"], head["positions"]
             if k.dim() != 2 or k.shape[1] != head_dim or v.shape[0] != k.shape[0] or p.shape != (k.shape[0],):
@@ -238,6 +241,24 @@ def _check_rows(lm, layers: list[ExportedRows], start: int, end: int, exact: boo
                 raise chunk.CorruptChunk(f"layer {l} head {h}: {p.numel()} rows, an uncompressed chunk holds {len(want)}")
         if not _finite([t for head in rows.heads for t in (head["keys"], head["values"])]):
             raise chunk.CorruptChunk(f"layer {l}: non-finite keys or values")
+
+
+def _check_encoded(l: int, rows: ExportedRows, kv_heads: int, head_dim: int, start: int, end: int) -> None:
+    """Rows a quantized layer held, as stored (`QuantizedRows.export_rows`): positions in range and increasing, residual
+    rows of the model's head_dim, and every float tensor (residual, scales, zero-points) finite. The codes' shapes and
+    counts are checked by `QuantizedRows.import_encoded` when the rows are imported."""
+    for h, head in enumerate(rows.heads):
+        p, rk, rv = head.get("positions"), head.get("residual_keys"), head.get("residual_values")
+        if p is None or rk is None or rv is None:
+            raise chunk.CorruptChunk(f"layer {l} head {h}: encoded rows without positions or residual rows")
+        if p.dtype != torch.int32 or p.dim() != 1 or (p.numel() and (int(p.min()) < start or int(p.max()) >= end)) or (
+                p.numel() > 1 and not bool((p[1:] > p[:-1]).all())):
+            raise chunk.CorruptChunk(f"layer {l} head {h}: positions outside [{start}, {end}) or not increasing")
+        if rk.dim() != 2 or rk.shape[1] != head_dim or rv.dim() != 2 or rv.shape[0] != rk.shape[0]:
+            raise chunk.CorruptChunk(f"layer {l} head {h}: residual keys {tuple(rk.shape)}, values {tuple(rv.shape)} "
+                                     f"(head_dim {head_dim})")
+    if not _finite([t for head in rows.heads for t in head.values() if t.is_floating_point()]):
+        raise chunk.CorruptChunk(f"layer {l}: non-finite residual rows, scales or zero-points")
 
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
