@@ -365,3 +365,17 @@ def test_heads_of_different_lengths_encode_their_blocks_together_with_a_bounded_
     assert len(flushes) <= 200 // scheme.group + 2  # head by head would be about 3x as many
     for (k, _, p), n in zip(rows.heads(), lengths):
         assert torch.equal(p[-200:], torch.arange(1000, 1200, dtype=torch.int32)) and k.shape[0] == n + 200
+
+
+@pytest.mark.parametrize("spec", ["kivi-8", "kivi-4", "kivi-2"])
+def test_kivi_encodes_every_head_in_one_pass_as_head_by_head(spec):
+    """A flush encodes all heads at once (`encode_heads`): the same codes, scales and zero-points as one head at a time."""
+    scheme = get_scheme(spec)
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(3, 64, 64, generator=gen), torch.randn(3, 64, 64, generator=gen) * 4
+    p = torch.arange(64, dtype=torch.int32).expand(3, 64)
+    together = scheme.encode_heads(k, v, p)
+    for h, (kq, vq) in enumerate(together):
+        for a, b in zip((kq, vq), scheme.encode(k[h], v[h], p[h], h)):
+            assert (a.dim, a.shape, a.group, a.bits) == (b.dim, b.shape, b.group, b.bits)
+            assert torch.equal(a.packed, b.packed) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)

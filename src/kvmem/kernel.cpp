@@ -244,17 +244,26 @@ void attend(const Head& x, const Layout& L, std::vector<float>& codes, std::vect
             std::vector<float>& acc, std::vector<float>& p) {
   const int64_t d = L.d, groups = L.groups, ne = x.e1 - x.e0, n = ne + x.r;
   p.resize(groups * n);
-  // scores of the encoded rows: per block of group_k rows, the block's key scales folded into the queries (planar)
+  // scores of the encoded rows: per block of group_k rows, the block's key scales folded into the queries (planar):
+  // the block's scales and zero-points converted once, then every query head scaled in one vector pass (converting
+  // them per query head, channel by channel, took a quarter of the kernel)
+  float* qp = codes.data() + d;  // the queries in planar order
+  float* sc = qp + groups * d;   // the block's key scales, then zero-points, planar
+  if (x.e1 > x.e0)
+    for (int64_t j = 0; j < groups; ++j)
+      for (int64_t c = 0; c < d; ++c) qp[j * d + L.kperm[c]] = x.q[j * d + c];
   for (int64_t b0 = x.e0; b0 < x.e1; b0 += L.group_k) {
     const int64_t col = b0 / L.group_k;
+    for (int64_t c = 0; c < d; ++c) {
+      sc[L.kperm[c]] = f32(x.ks[c * x.kcols + col]);
+      sc[d + L.kperm[c]] = f32(x.kz[c * x.kcols + col]);
+    }
     for (int64_t j = 0; j < groups; ++j) {
-      float z = 0.f;
-      for (int64_t c = 0; c < d; ++c) {
-        const float qc = x.q[j * d + c];
-        qs[j * d + L.kperm[c]] = qc * f32(x.ks[c * x.kcols + col]);
-        z += qc * f32(x.kz[c * x.kcols + col]);
-      }
-      bias[j] = z;
+      float* qsj = qs.data() + j * d;
+      const float* qpj = qp + j * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) qsj[i] = qpj[i] * sc[i];
+      bias[j] = dot(qpj, sc + d, d);
     }
     const int64_t t1 = std::min(b0 + L.group_k, x.e1);
     if (keys_in_registers(x, L, qs.data(), bias.data(), b0, t1, p.data(), n)) continue;
@@ -374,7 +383,7 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kp, s
     }
   }
   at::parallel_for(0, (int64_t)work.size(), 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> codes(d), qs(L.groups * d), bias(L.groups), acc(L.groups * d), p;
+    std::vector<float> codes(d + L.groups * d + 2 * d), qs(L.groups * d), bias(L.groups), acc(L.groups * d), p;
     for (int64_t w = w0; w < w1; ++w) attend(work[w], L, codes, qs, bias, acc, p);
   });
   return out;

@@ -38,6 +38,8 @@ _failed: str | None = None
 
 def _load():
     global _module, _failed
+    if _module is not None:  # built: no lock (asked in every decode step)
+        return _module
     with _lock:
         if _module is not None or _failed is not None:
             return _module

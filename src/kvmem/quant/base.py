@@ -158,6 +158,7 @@ class QuantizedRows(Rows):
         # and the spare rows stay under a block (a short quantized cache must not hold more than raw)
         self.res: Rows = empty_rows(heads, head_dim, dtype, device, value_dim, grow=scheme.group)
         self._join: tuple | None = None  # the heads' encoded rows joined (`_joined`)
+        self._kernel: bool | None = None  # whether the scheme's decode kernel reads these rows (`decodes_in_place`)
 
     @classmethod
     def of(cls, scheme: Scheme, keys: list[Tensor], values: list[Tensor], positions: list[Tensor]) -> QuantizedRows:
@@ -234,8 +235,9 @@ class QuantizedRows(Rows):
 
     def decodes_in_place(self) -> bool:
         """Whether `decode_attention` can serve the next decode step (the scheme has a kernel for these rows)."""
-        return self.dtype == torch.float32 and any(p.numel() for p in self.pq) and \
-            self.scheme.has_decode_kernel(self.res.kv_tensors()[0].shape[-1]) and self._joined(stacked=False) is not None
+        if self._kernel is None:  # (asked for every row and layer of every decode step: the scheme's answer is kept)
+            self._kernel = self.dtype == torch.float32 and self.scheme.has_decode_kernel(self.res.kv_tensors()[0].shape[-1])
+        return self._kernel and any(p.numel() for p in self.pq) and self._joined(stacked=False) is not None
 
     def kernel_key(self) -> tuple:
         """Rows with equal keys share one kernel call: the scheme's kernel, bits and groups."""

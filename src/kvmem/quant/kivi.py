@@ -38,6 +38,13 @@ class KIVI(Scheme):
     def decode(self, keys: Quantized, values: Quantized, positions: Tensor, head: int) -> tuple[Tensor, Tensor]:
         return dequantize(keys), dequantize(values)
 
+    def encode_heads(self, keys: Tensor, values: Tensor, positions: Tensor) -> list[tuple[Quantized, Quantized]]:
+        """Every head (H, n, D) in one quantization per K and V (the same groups, so the same codes, as head by head)."""
+        if type(self).encode is not KIVI.encode:  # a variant that encodes otherwise
+            return super().encode_heads(keys, values, positions)
+        return list(zip(unstack(quantize(keys, self.bits, self.group, dim=1)),
+                        unstack(quantize(values, self.bits, self.group, dim=2))))
+
     def join_heads(self, parts: list[Quantized | None], stacked: bool) -> Quantized | None:
         if stacked:
             return stack(parts) if encoded_rows(parts) else None
