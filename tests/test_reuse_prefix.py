@@ -122,3 +122,16 @@ def test_a_quantized_compressed_context_is_stored_and_loaded_as_held(smollm2):
         assert not load_span(lm, new_cache(lm, get_method("snapkv"), "kivi-8"), store, ids, compression, ReuseReport())
     d = answer(lm, DOC[:2500] + FACT, q, "snapkv", 0.5, quant="kivi-8", max_new_tokens=8, store=store)
     assert not d.reuse.span and d.tokens == a.tokens
+
+
+def test_a_quantized_span_round_trips_on_gemma_sliding_layers(gemma3):
+    """The same on sliding-window MQA layers (trimmed to the window, expired rows of partly kept blocks included)."""
+    store = ChunkStore("memory", chunk_size=128)
+    q = "What is the vault code of the Orion lab?"
+    a = answer(gemma3, DOC + FACT, q, "snapkv", 0.5, quant="kivi-8", max_new_tokens=8, store=store)
+    b = answer(gemma3, DOC + FACT, q, "snapkv", 0.5, quant="kivi-8", max_new_tokens=8, store=store)
+    assert not a.reuse.span and b.reuse.span and (b.tokens, b.kv_bytes) == (a.tokens, a.kv_bytes)
+    ids = build_prompt(gemma3.tokenizer, DOC + FACT, q).context
+    assert len(ids) > 512  # past the sliding window
+    loaded = store.load(gemma3, store.span_key(gemma3, ids, "snapkv@0.5+kivi-8"), 0, len(ids), "snapkv@0.5+kivi-8")
+    assert all(rows.codec == "kivi-8" for rows in loaded.layers)

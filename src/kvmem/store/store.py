@@ -227,7 +227,7 @@ def _check_rows(lm, layers: list[ExportedRows], start: int, end: int, exact: boo
             raise chunk.CorruptChunk(f"layer {l}: {len(rows.heads)} KV heads, the model has {kv_heads}")
         want = expected_positions(window, start, end) if exact else None
         if rows.codec != "raw":  # a quantized layer's rows as held: its positions and residual here, its codes on import
-            _check_encoded(l, rows, kv_heads, head_dim, start, end)
+            _check_encoded(l, rows, head_dim, start, end)
             continue
         for h, head in enumerate(rows.heads):
             k, v, p = head["keys"], head["values"], head["positions"]
@@ -243,7 +243,7 @@ def _check_rows(lm, layers: list[ExportedRows], start: int, end: int, exact: boo
             raise chunk.CorruptChunk(f"layer {l}: non-finite keys or values")
 
 
-def _check_encoded(l: int, rows: ExportedRows, kv_heads: int, head_dim: int, start: int, end: int) -> None:
+def _check_encoded(l: int, rows: ExportedRows, head_dim: int, start: int, end: int) -> None:
     """Rows a quantized layer held, as stored (`QuantizedRows.export_rows`): positions in range and increasing, residual
     rows of the model's head_dim, and every float tensor (residual, scales, zero-points) finite. The codes' shapes and
     counts are checked by `QuantizedRows.import_encoded` when the rows are imported."""
