@@ -117,6 +117,55 @@ def _damage(kind: str, lm, store: ChunkStore, key: str) -> None:
     tier.put(key, blob)
 
 
+def _reframed(payload_edit) -> bytes:
+    """A frame around a payload edited after serialisation, with a checksum that matches: what a wrong writer makes."""
+    import json as _json
+
+    import xxhash
+
+    blob = chunk.pack({"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.arange(4, dtype=torch.int32)},
+                      {"key": "k"})
+    payload = bytearray(blob[chunk.HEADER:])
+    n = int.from_bytes(payload[:8], "little")
+    entries = _json.loads(payload[8:8 + n])
+    payload = payload_edit(payload, entries, n)
+    return chunk.MAGIC + xxhash.xxh3_128_digest(bytes(payload)) + bytes(payload)
+
+
+def _with_header(entries: dict, payload: bytearray, n: int) -> bytearray:
+    import json as _json
+
+    head = _json.dumps(entries, separators=(",", ":")).encode().ljust(n)
+    assert len(head) == n
+    return payload[:8] + head + payload[8 + n:]
+
+
+@pytest.mark.parametrize("lie", ["header length", "offsets past the end", "shape larger than its bytes", "dtype"])
+def test_a_frame_whose_checksum_matches_but_whose_payload_lies_is_refused(lie):
+    def edit(payload, entries, n):
+        if lie == "header length":
+            return (len(payload) + 1).to_bytes(8, "little") + payload[8:]
+        if lie == "offsets past the end":
+            entries["a"]["data_offsets"] = [0, 10_000]
+        elif lie == "shape larger than its bytes":
+            entries["a"]["shape"] = [3, 3]
+        else:
+            entries["b"]["dtype"] = "Q9"
+        return _with_header(entries, payload, n)
+
+    with pytest.raises(chunk.CorruptChunk, match="does not parse"):
+        chunk.unpack(_reframed(edit))
+
+
+def test_unpacked_tensors_are_the_packed_ones_and_never_alias_the_stored_bytes():
+    blob = chunk.pack({"k": torch.randn(5, 4), "p": torch.arange(5, dtype=torch.int32), "e": torch.empty(0, 4)}, {"x": 1})
+    tensors, header = chunk.unpack(blob)
+    assert header == {"x": 1} and tensors["e"].shape == (0, 4)
+    tensors["k"].zero_()  # a cache that writes into imported rows must not change what the store holds
+    again, _ = chunk.unpack(blob)
+    assert again["k"].abs().sum() > 0 and torch.equal(again["p"], torch.arange(5, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("kind", ["truncated", "flipped byte", "other model", "other tokenizer", "old codec version", "wrong rows"])
 def test_a_damaged_chunk_is_detected_and_recomputed(lm, kind):
     reference, _, _ = run(lm, ChunkStore("memory", chunk_size=16))
