@@ -13,7 +13,8 @@ from kvmem.batch import RowBatch
 from kvmem.cache import KVCache
 from kvmem.compress import ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem.generate import decode, feed, new_cache, step
+from kvmem.forward import feed, step
+from kvmem.generate import decode, new_cache
 from kvmem.prompts import build_prompt
 from kvmem.store.chunk import CorruptChunk
 from kvmem.store.swap import pack_cache, unpack_cache

@@ -10,7 +10,8 @@ from kvmem.attention import grouped_attention
 from kvmem.cache import KVCache
 from kvmem.compress import ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem.generate import StopRule, answer_batch, decode, feed
+from kvmem.forward import feed
+from kvmem.generate import StopRule, answer_batch, decode
 from kvmem.prompts import build_prompt
 
 

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from kvmem.cache import KVCache
 from kvmem.compress import METHODS, ModelContext, compress, get_method
-from kvmem.compress.base import head_views
+from kvmem.compress.evict import head_views
 from kvmem.errors import KVMemError
-from kvmem.generate import feed
+from kvmem.forward import feed
 from kvmem.models import cache_dir
 
 N_CTX = 150
@@ -245,7 +245,7 @@ def test_expected_attention_from_pre_rope_query_statistics(smollm2, prefilled):
 def test_calibration_artefacts_are_refitted_when_the_fingerprint_or_params_change(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from kvmem.compress import calibration
+    from kvmem import calibration
 
     monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_LOADED", {})
@@ -270,7 +270,7 @@ def test_calibration_artefacts_are_refitted_when_the_fingerprint_or_params_chang
 
 
 def test_q_filters_are_the_signed_dominant_query_direction(smollm2, prefilled, tmp_path, monkeypatch):
-    from kvmem.compress import calibration
+    from kvmem import calibration
     from kvmem.compress.q_filters import fit_filters
 
     monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))
@@ -290,7 +290,7 @@ def test_q_filters_are_the_signed_dominant_query_direction(smollm2, prefilled, t
 
 
 def test_kvzip_head_keeps_whole_heads_ranked_by_their_best_pair_score(smollm2, prefilled, tmp_path, monkeypatch):
-    from kvmem.compress import calibration
+    from kvmem import calibration
 
     monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_LOADED", {})

@@ -12,7 +12,8 @@ from transformers import BertConfig, BertModel, DynamicCache, T5Config
 from kvmem.cache import KVCache
 from kvmem.compress import Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem.generate import decode, feed
+from kvmem.forward import feed
+from kvmem.generate import decode
 from kvmem.models import FewRowsLinear, cache_dir, load_model, on_passing_thread
 
 

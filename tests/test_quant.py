@@ -81,6 +81,8 @@ def random_ids(n: int, seed: int) -> torch.Tensor:
 
 def run(model, ids: torch.Tensor, chunks: int = 1, **cache_kwargs) -> tuple[torch.Tensor, KVCache]:
     """Feed ids in `chunks` forwards (later chunks read what earlier ones left, quantized); all logits."""
+    if isinstance(cache_kwargs.get("quant"), str):
+        cache_kwargs["quant"] = get_scheme(cache_kwargs["quant"])
     cache = KVCache(model.config, **cache_kwargs)
     with torch.no_grad():
         logits = [model(input_ids=part, cache=cache, use_cache=True).logits for part in ids.chunk(chunks, dim=1)]
@@ -296,7 +298,7 @@ def test_bad_schemes_are_named_errors(tiny_llama):
     with pytest.raises(KVMemError, match="residual"):
         get_scheme("kivi-2:residual=40")
     with pytest.raises(KVMemError, match="head_dim 16"):
-        KVCache(tiny_llama.config, quant="kivi-2")  # groups of 32 channels in a head of 16
+        KVCache(tiny_llama.config, quant=get_scheme("kivi-2"))  # groups of 32 channels in a head of 16
 
 
 def test_quantized_rows_export_and_import_exactly_as_held(tiny_llama):
@@ -306,10 +308,10 @@ def test_quantized_rows_export_and_import_exactly_as_held(tiny_llama):
 
     spec = "kivi-2:group=8:residual=8"
     ids = random_ids(45, 6)
-    _, source = run(tiny_llama, ids, quant=spec)
+    _, source = run(tiny_llama, ids, quant=get_scheme(spec))
     exported = [layer.export_rows() for layer in source.layers]
     assert exported[0].codec == spec and "k.packed" in exported[0].heads[0] and "keys" not in exported[0].heads[0]
-    target = KVCache(tiny_llama.config, quant=spec)
+    target = KVCache(tiny_llama.config, quant=get_scheme(spec))
     for layer, rows in zip(target.layers, exported):
         layer.import_rows(rows)
     assert target.kv_bytes() == source.kv_bytes()
@@ -323,19 +325,19 @@ def test_quantized_rows_export_and_import_exactly_as_held(tiny_llama):
     with pytest.raises(KVMemError, match="holds raw rows"):
         KVCache(tiny_llama.config).layers[0].import_rows(exported[0])
     with pytest.raises(KVMemError, match="this layer holds 'kivi-4:group=8:residual=8'"):
-        KVCache(tiny_llama.config, quant="kivi-4:group=8:residual=8").layers[0].import_rows(exported[0])
+        KVCache(tiny_llama.config, quant=get_scheme("kivi-4:group=8:residual=8")).layers[0].import_rows(exported[0])
     short = ExportedRows([{**h, "positions": h["positions"][:-1]} for h in exported[0].heads], exported[0].codec,
                          exported[0].meta)
     with pytest.raises(KVMemError, match="do not add up"):
-        KVCache(tiny_llama.config, quant=spec).layers[0].import_rows(short)
+        KVCache(tiny_llama.config, quant=get_scheme(spec)).layers[0].import_rows(short)
     headless = ExportedRows([{k: v for k, v in h.items() if k != "residual_keys"} for h in exported[0].heads],
                             exported[0].codec, exported[0].meta)
     with pytest.raises(KVMemError, match="lacks"):
-        KVCache(tiny_llama.config, quant=spec).layers[0].import_rows(headless)
+        KVCache(tiny_llama.config, quant=get_scheme(spec)).layers[0].import_rows(headless)
     forged = ExportedRows(exported[0].heads, exported[0].codec,
                           {**exported[0].meta, "heads": [{**m, "k.__type": "os.system"} for m in exported[0].meta["heads"]]})
     with pytest.raises(KVMemError, match="unknown type"):
-        KVCache(tiny_llama.config, quant=spec).layers[0].import_rows(forged)
+        KVCache(tiny_llama.config, quant=get_scheme(spec)).layers[0].import_rows(forged)
 
 
 def test_heads_of_different_lengths_encode_their_blocks_together_with_a_bounded_residual():

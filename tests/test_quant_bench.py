@@ -13,7 +13,8 @@ from kvmem.errors import KVMemError
 from kvmem.eval.quant import (FULL, QuantConfig, delta_ppl, from_rows, held_bytes, kv_elements, task_cells,
                               token_nlls)
 from kvmem.eval.quant_report import hf_peer, ppl_rows, task_rows, update_readme, write_report
-from kvmem.generate import feed
+from kvmem.forward import feed
+from kvmem.quant import get_scheme
 
 
 def test_delta_ppl_is_zero_for_identical_nlls_and_follows_a_shift():
@@ -48,7 +49,7 @@ def test_from_rows_holds_the_scheme_and_feeds_on(smollm2):
         feed(smollm2, full, ids)
         cache = from_rows(smollm2, full, "kivi-2", {})
         assert cache.kv_bytes() < 0.6 * full.kv_bytes() and full.layers[0].quant is None  # the source is untouched
-        direct = KVCache(smollm2.model.config, quant="kivi-2")
+        direct = KVCache(smollm2.model.config, quant=get_scheme("kivi-2"))
         feed(smollm2, direct, ids)
         assert cache.kv_bytes() == direct.kv_bytes()  # the same rows a quantized prefill would have encoded
         nll_q = token_nlls(smollm2, cache, list(range(600, 633)), 32)

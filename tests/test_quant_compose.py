@@ -9,7 +9,8 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.compress import METHODS, Compressor, ModelContext, compress, get_method
-from kvmem.generate import answer, feed
+from kvmem.forward import feed
+from kvmem.generate import answer
 from kvmem.quant import SCHEMES, get_scheme
 
 QUICK = {  # the registered schemes, calibrated ones on 1 x 128 tokens
@@ -62,7 +63,7 @@ def test_every_method_composes_with_a_quantized_cache(smollm2):
         cache = base.clone()
         compress(cache, get_method(name), 0.25, context=ModelContext(smollm2, ids))
         raw = cache.clone()
-        cache.quantize("kivi-4:residual=32")
+        cache.quantize(get_scheme("kivi-4:residual=32"))
         with torch.no_grad():
             logits = feed(smollm2, cache, ids[-1:])
             feed(smollm2, raw, ids[-1:])

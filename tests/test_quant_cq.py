@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from kvmem.cache import KVCache
-from kvmem.compress.calibration import calibration_ids
+from kvmem.calibration import calibration_ids
 from kvmem.errors import KVMemError
-from kvmem.generate import answer, feed
+from kvmem.forward import feed
+from kvmem.generate import answer
 from kvmem.quant import get_scheme
 from kvmem.quant.cq import CoupledQuantization, fit_codebooks, kmeans, nearest
 from kvmem.quant.pack import dequantize, quantize
@@ -277,13 +278,13 @@ def test_named_errors(tiny_llama):
         get_scheme("cq-2").check(6)
     get_scheme("cq-1").check(16)
     with pytest.raises(KVMemError, match="fitted per model"):  # a calibrated scheme needs its model
-        KVCache(tiny_llama.config, quant="cq-2")
+        KVCache(tiny_llama.config, quant=get_scheme("cq-2"))
     with pytest.raises(KVMemError, match="fitted per model"):
         get_scheme("cq-2").for_layer(0)
 
 
 def test_artefact_is_refitted_when_the_fingerprint_differs(smollm2, tmp_path, monkeypatch):
-    from kvmem.compress import calibration
+    from kvmem import calibration
     from kvmem.quant import cq as module
 
     monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))

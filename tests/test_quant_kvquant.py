@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kvmem.cache import KVCache
-from kvmem.compress.calibration import calibration_ids
+from kvmem.calibration import calibration_ids
 from kvmem.errors import KVMemError
-from kvmem.generate import answer, feed
+from kvmem.forward import feed
+from kvmem.generate import answer
 from kvmem.quant import get_scheme
 from kvmem.quant.adaquant import AdaQuant
 from kvmem.rope import move, rope_frequencies, unrotate
@@ -119,7 +120,7 @@ def test_kvquant_answers_and_refuses_what_it_cannot_hold(kvquant3, smollm2):
     with pytest.raises(KVMemError, match="kvquant takes"):
         get_scheme("kvquant-3:outliers=0.7")
     with pytest.raises(KVMemError, match="fitted per model"):
-        KVCache(smollm2.model.config, quant="kvquant-3")
+        KVCache(smollm2.model.config, quant=get_scheme("kvquant-3"))
 
 
 def test_adaquant_gives_keys_the_bits_and_the_reverse_shows_the_asymmetry(held_out):

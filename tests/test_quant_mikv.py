@@ -15,7 +15,8 @@ import kvmem
 from kvmem.cache import KVCache
 from kvmem.compress import METHODS, BUDGETS, Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem.generate import answer, feed, new_cache
+from kvmem.forward import feed
+from kvmem.generate import answer, new_cache
 from kvmem.prompts import build_prompt
 from kvmem.quant import get_scheme
 from kvmem.quant.mikv import MixedRows
@@ -29,8 +30,8 @@ def random_ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def prefill(model, ids: torch.Tensor, **cache_kwargs) -> KVCache:
-    cache = KVCache(model.config, **cache_kwargs)
+def prefill(model, ids: torch.Tensor, quant: str | None = None, **cache_kwargs) -> KVCache:
+    cache = KVCache(model.config, quant=get_scheme(quant) if quant else None, **cache_kwargs)
     with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)
     return cache
@@ -125,7 +126,7 @@ def test_bytes_are_both_stores_codes_and_scales(tiny_llama):
 def test_rows_quantized_after_a_full_precision_prefill_are_balanced_and_demote_alike(tiny_llama):
     ids = random_ids(80, 10)
     early = prefill(tiny_llama, ids, observe_window=32, quant=TINY)
-    late = prefill(tiny_llama, ids, observe_window=32).quantize(TINY)  # as kvmem.eval.quant builds its cells
+    late = prefill(tiny_llama, ids, observe_window=32).quantize(get_scheme(TINY))  # as kvmem.eval.quant builds its cells
     assert late.kv_bytes() == early.kv_bytes()  # encoded at once, at 8 bits
     for layer in late.layers:  # balanced by the queries the layer observed
         assert not torch.equal(layer.rows.balancer, torch.ones_like(layer.rows.balancer))
@@ -160,7 +161,7 @@ def test_exactly_the_rows_eviction_keeps_are_high_and_nothing_is_dropped(tiny_ll
 
 def test_compressor_inside_generate_demotes_instead_of_dropping(tiny_llama):
     ids = random_ids(80, 6)
-    cache = KVCache(tiny_llama.config, compressor=Compressor(get_method("h2o"), 0.25), quant=TINY)
+    cache = KVCache(tiny_llama.config, compressor=Compressor(get_method("h2o"), 0.25), quant=get_scheme(TINY))
     out = tiny_llama.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == 84 and cache.tokens_held() == [[83, 83], [83, 83]]
     for heads in split(cache):
@@ -174,7 +175,7 @@ def test_compressor_inside_generate_demotes_instead_of_dropping(tiny_llama):
 def test_sliding_layers_drop_expired_rows_exactly(tiny_gemma):
     """Window 8: a sliding layer holds exactly the window - 1 visible rows, in both stores, and their bytes."""
     ids = random_ids(64, 7)
-    full, mixed = KVCache(tiny_gemma.config), KVCache(tiny_gemma.config, quant=TINY)
+    full, mixed = KVCache(tiny_gemma.config), KVCache(tiny_gemma.config, quant=get_scheme(TINY))
     with torch.no_grad():
         a = torch.cat([tiny_gemma(input_ids=c, cache=full, use_cache=True).logits for c in ids.chunk(16, 1)], 1)
         b = torch.cat([tiny_gemma(input_ids=c, cache=mixed, use_cache=True).logits for c in ids.chunk(16, 1)], 1)
@@ -184,7 +185,7 @@ def test_sliding_layers_drop_expired_rows_exactly(tiny_gemma):
     assert sliding.lengths() == [7, 7] and not sliding.compressed
     assert [p.tolist() for p in sliding.head_positions] == [list(range(57, 64))] * 2
     # with eviction: the sliding layers demote inside their window, then trim as the window moves
-    cache = KVCache(tiny_gemma.config, compressor=Compressor(get_method("snapkv:window=4"), 0.5), quant=TINY)
+    cache = KVCache(tiny_gemma.config, compressor=Compressor(get_method("snapkv:window=4"), 0.5), quant=get_scheme(TINY))
     out = tiny_gemma.generate(input_ids=ids, cache=cache, max_new_tokens=6, do_sample=False)
     assert out.shape[1] == 70
     for i in (0, 2):
@@ -293,7 +294,7 @@ def test_bad_options_and_exports_are_named_errors(tiny_llama):
         with pytest.raises(KVMemError, match=message):
             get_scheme(spec)
     with pytest.raises(KVMemError, match="head_dim 16"):
-        KVCache(tiny_llama.config, quant="mikv")  # groups of 32 channels in a head of 16
+        KVCache(tiny_llama.config, quant=get_scheme("mikv"))  # groups of 32 channels in a head of 16
     assert get_scheme("mikv:low=3:high=16").spec == "mikv:high=16:low=3"
     cache = prefill(tiny_llama, random_ids(20, 8), quant=TINY)
     assert isinstance(cache.layers[0].rows, MixedRows)
@@ -302,7 +303,7 @@ def test_bad_options_and_exports_are_named_errors(tiny_llama):
     # raw rows imported into a mikv layer are held high, encoded at its next forward
     raw = prefill(tiny_llama, random_ids(20, 8))
     exported: list[ExportedRows] = [layer.export_rows() for layer in raw.layers]
-    target = KVCache(tiny_llama.config, quant=TINY)
+    target = KVCache(tiny_llama.config, quant=get_scheme(TINY))
     for layer, rows in zip(target.layers, exported):
         layer.import_rows(rows)
     with torch.no_grad():
@@ -313,7 +314,7 @@ def test_bad_options_and_exports_are_named_errors(tiny_llama):
 def test_recompression_every_n_steps_keeps_the_high_precision_budget(tiny_llama):
     """`Compressor(every=N)` brings the *high-precision* rows back to the budget (every row stays held)."""
     ids = torch.arange(1, 81)[None]
-    cache = KVCache(tiny_llama.config, quant="mikv:group=8", compressor=Compressor(get_method("knorm"), 0.25, every=4))
+    cache = KVCache(tiny_llama.config, quant=get_scheme("mikv:group=8"), compressor=Compressor(get_method("knorm"), 0.25, every=4))
     tiny_llama.generate(input_ids=ids, cache=cache, max_new_tokens=12, do_sample=False)
     for layer in cache.layers:
         assert layer.lengths() == [91, 91]  # 80 + 11 fed back: nothing dropped

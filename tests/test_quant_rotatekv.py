@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kvmem.cache import KVCache
-from kvmem.compress.calibration import calibration_ids
+from kvmem.calibration import calibration_ids
 from kvmem.errors import KVMemError
-from kvmem.generate import answer, feed
+from kvmem.forward import feed
+from kvmem.generate import answer
 from kvmem.quant import get_scheme
 from kvmem.quant.pack import dequantize, quantize
 from kvmem.quant.rotatekv import fwht, hadamard
@@ -73,7 +74,7 @@ def test_fwht_and_the_scheme_refuse_sizes_they_cannot_rotate(tiny_llama):
     with pytest.raises(KVMemError, match="clip"):
         get_scheme("rotatekv-2:clip=1.5")
     with pytest.raises(KVMemError, match="fitted per model"):  # a calibrated scheme needs its model
-        KVCache(tiny_llama.config, quant="rotatekv-2:group=8")
+        KVCache(tiny_llama.config, quant=get_scheme("rotatekv-2:group=8"))
 
 
 @pytest.mark.parametrize("spec", ["rotatekv-2", "rotatekv-4", "rotatekv-3:group=16",
@@ -196,7 +197,7 @@ def test_quantized_answer_runs(rotatekv, smollm2):
 
 
 def test_artefact_is_refitted_when_the_fingerprint_differs(smollm2, tmp_path, monkeypatch):
-    from kvmem.compress import calibration
+    from kvmem import calibration
     from kvmem.quant import rotatekv as module
 
     monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))

@@ -4,10 +4,8 @@ and its bad input. No timing goals here: speedups are what the committed report 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from kvmem.errors import KVMemError
 from kvmem.eval.reuse import ReuseConfig, run_length

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem.generate import feed
+from kvmem.forward import feed
 from kvmem.models import LoadedModel
 from kvmem.reuse.blend import assemble_and_answer, precompute
 from kvmem.rope import move, rope_frequencies

@@ -7,7 +7,6 @@ no-shared-state tests. Batching's own tests (budget, preemption, rows alone vs t
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time

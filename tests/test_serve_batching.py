@@ -164,7 +164,7 @@ def test_n_choices_are_rows_of_one_batch(server):
 
 def kv_bytes_per_token(lm) -> int:
     from kvmem.cache import KVCache
-    from kvmem.generate import feed
+    from kvmem.forward import feed
 
     cache = KVCache(lm.model.config, observe_window=0)
     feed(lm, cache, list(range(64)))

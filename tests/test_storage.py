@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from kvmem.cache import KVCache
 from kvmem.compress import BUDGETS, METHODS, Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem.generate import answer, feed, new_cache
+from kvmem.forward import feed
+from kvmem.generate import answer, new_cache
 from kvmem.rope import move, rope_frequencies, rotate, unrotate
 from kvmem.rows import DenseRows, ExportedRows, PaddedRows, RaggedRows
 

@@ -186,7 +186,7 @@ class RowBatch(Cache):
 
         batch = RowBatch(lm.model.config)
         batch.join(cache_a); batch.join(cache_b)
-        logits = kvmem.generate.step(lm, batch, [token_a, token_b])   # one forward, (2, vocab)
+        logits = kvmem.forward.step(lm, batch, [token_a, token_b])   # one forward, (2, vocab)
         batch.leave(cache_a)
     """
 

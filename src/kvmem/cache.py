@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvmem.attention import ATTENTION_NAME, rows_mask, sees_all, visible  # noqa: F401  (importing registers kvmem's attention)
 from kvmem.errors import KVMemError
 from kvmem.observe import Observation
-from kvmem.quant import QuantizedRows, Scheme, get_scheme
+from kvmem.quant.base import QuantizedRows, Scheme
 from kvmem.rows import DenseRows, ExportedRows, Rows, empty_rows, import_rows
 
 
@@ -403,15 +403,22 @@ def _first(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask[0]
 
 
+def _check_scheme(quant) -> None:
+    """The cache sits below the schemes (`kvmem.quant` builds on it): it takes a scheme made by `get_scheme`."""
+    if quant is not None and not isinstance(quant, Scheme):
+        raise KVMemError(f"quant takes a scheme, not {quant!r}: kvmem.quant.get_scheme({quant!r}) makes one "
+                         f"(or kvmem.generate.new_cache(lm, method, quant={quant!r}) for a model's cache)")
+
+
 class KVCache(Cache):
     """A transformers Cache made of `KVLayer`s, one per decoder layer (sliding layers where the model has them)."""
 
     def __init__(self, config, observe_window: int = 64, track_attention: bool = False, compressor=None,
-                 quant: str | Scheme | None = None):
+                 quant: Scheme | None = None):
         """`compressor` (a `kvmem.compress.Compressor`) makes the cache compress itself after the prefill
-        and optionally every N decode steps; the observation it needs is switched on. `quant` (a scheme
-        name such as `kivi-2`, see `kvmem.quant`) holds every layer's rows quantized."""
-        quant = get_scheme(quant) if isinstance(quant, str) else quant
+        and optionally every N decode steps; the observation it needs is switched on. `quant` (a scheme,
+        `kvmem.quant.get_scheme("kivi-2")`) holds every layer's rows quantized."""
+        _check_scheme(quant)
         if compressor is not None:
             observe_window = max(observe_window, compressor.method.observe_window, 1)
             track_attention = track_attention or compressor.method.needs_attention
@@ -447,10 +454,10 @@ class KVCache(Cache):
         """Tokens held per layer and KV head."""
         return [layer.lengths() for layer in self.layers]
 
-    def quantize(self, scheme: str | Scheme) -> "KVCache":
+    def quantize(self, scheme: Scheme) -> "KVCache":
         """Hold every layer's rows quantized by `scheme` from now on (e.g. after a full-precision prefill and
         compression: the same rows a `KVCache(quant=...)` would have encoded). Returns the cache."""
-        scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
+        _check_scheme(scheme)
         if not scheme.ready:
             raise KVMemError(f"{scheme.spec} is fitted per model: make it with kvmem.quant.get_scheme('{scheme.spec}', lm)")
         for i, layer in enumerate(self.layers):

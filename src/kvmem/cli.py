@@ -65,7 +65,7 @@ def _csv(value: str, kind=str) -> list:
 def _check_cache_options(method: str, keep_ratio: float, quant: str | None) -> None:
     """The compression method, keep ratio and quantization scheme, checked before a model loads."""
     from kvmem.compress import get_method
-    from kvmem.compress.base import check_keep_ratio
+    from kvmem.compress.evict import check_keep_ratio
     from kvmem.quant import get_scheme
 
     m = get_method(method)

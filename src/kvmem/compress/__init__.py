@@ -6,9 +6,10 @@ also takes `sliding=keep` (sliding-window layers are left whole, their window bo
 ratio then applies to the global layers, as kvpress and KVzip's reference do on Gemma-3) or `sliding=compress`.
 """
 
-from kvmem.compress.base import SLIDING, CompressionResult, Compressor, HeadView, Method, ModelContext, compress
+from kvmem.compress.base import SLIDING, HeadView, Method, ModelContext
 from kvmem.compress.budget import BUDGETS
 from kvmem.compress.curdkv import CurDKV
+from kvmem.compress.evict import CompressionResult, Compressor, compress
 from kvmem.compress.expected_attention import ExpectedAttention
 from kvmem.compress.full import Full
 from kvmem.compress.h2o import H2O

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from kvmem.cache import KVCache
 from kvmem.compress.base import HeadView, Method, ModelContext
-from kvmem.compress.calibration import calibration_ids, load_or_fit
+from kvmem.calibration import calibration_ids, load_or_fit
 from kvmem.compress.kvzip import KVzip
 from kvmem.errors import KVMemError
 
@@ -50,7 +50,7 @@ class KVzipHead(Method):
 @torch.no_grad()
 def fit_head_scores(lm, sequences: int, length: int) -> dict[str, Tensor]:
     """Max KVzip pair score per (layer, KV head) over chat-formatted calibration documents."""
-    from kvmem.generate import feed
+    from kvmem.forward import feed
     from kvmem.prompts import build_prompt
 
     best: dict[int, Tensor] = {}

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from kvmem.cache import KVCache
 from kvmem.compress.base import HeadView, Method, ModelContext
-from kvmem.compress.calibration import calibration_ids, load_or_fit
+from kvmem.calibration import calibration_ids, load_or_fit
 from kvmem.errors import KVMemError
 
 
@@ -43,7 +43,7 @@ class QFilters(Method):
 
 @torch.no_grad()
 def fit_filters(lm, sequences: int, length: int, samples: int, seed: int) -> dict[str, Tensor]:
-    from kvmem.generate import feed
+    from kvmem.forward import feed
 
     queries: dict[int, list[Tensor]] = {}
     for ids in calibration_ids(lm.tokenizer, sequences, length):

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kvmem.cache import KVCache
 from kvmem.compress.base import causal_logits, replay
-from kvmem.compress.calibration import calibration_ids, load_or_fit
+from kvmem.calibration import calibration_ids, load_or_fit
 
 
 def retrieval_scores(lm, probe: str) -> dict[str, Tensor]:
@@ -43,7 +43,7 @@ def _group_max(per_query_head: Tensor, n_kv: int) -> Tensor:
 
 @torch.no_grad()
 def needle_copy_scores(lm, samples: int, length: int, seed: int) -> dict[str, Tensor]:
-    from kvmem.generate import feed
+    from kvmem.forward import feed
     from kvmem.prompts import build_prompt
 
     rng = random.Random(seed)
@@ -85,7 +85,7 @@ def needle_copy_scores(lm, samples: int, length: int, seed: int) -> dict[str, Te
 
 @torch.no_grad()
 def echo_induction_scores(lm, length: int, repeats: int, seed: int) -> dict[str, Tensor]:
-    from kvmem.generate import feed
+    from kvmem.forward import feed
 
     g = torch.Generator().manual_seed(seed)
     vocab = lm.tokenizer.vocab_size

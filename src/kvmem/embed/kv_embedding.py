@@ -124,7 +124,7 @@ class KVEmbedding(LMEmbedder):
     def intrinsic_dimensions(self) -> list[float]:
         """TwoNN ID of the prompt's final-token state after each layer (index l = hidden_states[l]),
         over the first `ID_CALIBRATION` shipped abstracts, without re-routing."""
-        from kvmem.eval.tasks import load_abstracts
+        from kvmem.calibration import load_abstracts
 
         texts = list(load_abstracts())[:ID_CALIBRATION]
         states: list[list[Tensor]] = [[] for _ in range(self.n_layers + 1)]

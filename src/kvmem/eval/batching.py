@@ -358,7 +358,7 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
 
     from kvmem.cache import KVCache, KVLayer
     from kvmem.compress import compress, get_method
-    from kvmem.generate import feed, step
+    from kvmem.forward import feed, step
     from kvmem.models import load_model
     from kvmem.quant import get_scheme
 

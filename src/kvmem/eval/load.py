@@ -99,7 +99,9 @@ def load_tokenizer(model: str):
 def knowledge_base(tokenizer, target_tokens: int = 1500, first: int = 0) -> tuple[str, int, int]:
     """(system prompt, its tokens, documents in it): whole abstracts in file order from the `first`, numbered, as
     many as bring the prompt closest to `target_tokens` (at least one)."""
-    abstracts = [a.strip() for a in (DATA / "abstracts.txt").read_text().splitlines() if a.strip()][first:]
+    from kvmem.calibration import load_abstracts
+
+    abstracts = list(load_abstracts())[first:]
     count = lambda t: len(tokenizer(t, add_special_tokens=False).input_ids)  # noqa: E731
     text = ("You are a research assistant. Answer the user's question briefly, using only the documents of this "
             "knowledge base.")
@@ -536,7 +538,8 @@ def batching_phase(model: str, system: str, threads: int, repeats: int = 3, log=
     import torch
 
     from kvmem.compress import get_method
-    from kvmem.generate import answer_batch, feed, new_cache
+    from kvmem.forward import feed
+    from kvmem.generate import answer_batch, new_cache
     from kvmem.models import load_model
     from kvmem.prompts import chat_prompt
 

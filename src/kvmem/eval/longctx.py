@@ -45,7 +45,8 @@ from kvmem.compress import METHODS, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.eval.report import write_report
 from kvmem.eval.tasks import TASKS, make_samples, perplexity_text, score
-from kvmem.generate import answer_batch, feed, nll
+from kvmem.forward import feed
+from kvmem.generate import answer_batch, nll
 from kvmem.models import LoadedModel, load_model
 from kvmem.cache import KVCache
 from kvmem.prompts import Prompt, build_prompt

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvmem.cache import KVCache, storage_bytes
+from kvmem.cache import KVCache
 from kvmem.compress import ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.eval.stats import bootstrap_mean
@@ -192,7 +192,7 @@ def read_records(path: Path) -> list[dict]:
 # -- perplexity ----------------------------------------------------------------------------------------
 def ppl_texts(tokenizer, length: int, n: int) -> list[list[int]]:
     """`n` texts of `length` tokens from the end of the shipped abstracts (calibration reads the beginning)."""
-    from kvmem.eval.tasks import load_abstracts
+    from kvmem.calibration import load_abstracts
 
     ids = tokenizer("\n\n".join(load_abstracts()), add_special_tokens=False).input_ids
     if len(ids) < n * length + 8192:
@@ -235,7 +235,7 @@ def run_decode(lm, model: str, cfg: QuantConfig, done: set, prepared: dict, log=
     from transformers import DynamicCache
 
     from kvmem.eval.speed import context_ids
-    from kvmem.generate import feed
+    from kvmem.forward import feed
 
     schemes = runnable(lm, cfg.schemes, log)
     names = ["dynamic", FULL, *schemes]
@@ -294,7 +294,8 @@ def _mixed(scheme) -> bool:
 
 @torch.no_grad()
 def answer_hf(lm, cache, question: list[int], sample) -> list[int]:
-    from kvmem.generate import decode, feed
+    from kvmem.forward import feed
+    from kvmem.generate import decode
 
     return decode(lm, cache, feed(lm, cache, question), sample.max_new_tokens, sample.one_line, sample.answers)
 

@@ -248,7 +248,7 @@ def target_lines(ppl: list[dict], decode: list[dict], tasks: list[dict]) -> list
                  + ("; ".join(per_model) if per_model else "not measured"))
     slower = [r for r in decode if r["to_peer"] and r["to_peer"].lo > 1.0]
     compared = [r for r in decode if r["to_peer"]]
-    lines.append(f"* **Decode no slower than HF's QuantizedCache at the same bits**: "
+    lines.append("* **Decode no slower than HF's QuantizedCache at the same bits**: "
                  + ("not measured" if not compared else
                     ("met" if not slower else "not met") + f" ({len(compared) - len(slower)} of {len(compared)} schemes; "
                     + ", ".join(f"{r['model']} {r['scheme']} {r['to_peer'].estimate:.2f}x {r['peer']}" for r in compared) + ")"))

@@ -35,8 +35,9 @@ import torch
 
 from kvmem import __version__
 from kvmem.errors import KVMemError
+from kvmem.calibration import load_abstracts
 from kvmem.eval.stats import bootstrap_mean, paired_difference
-from kvmem.eval.tasks import (ADJECTIVES, ATTRIBUTES, NOUNS, _distinct, _person, _sentences, load_abstracts,
+from kvmem.eval.tasks import (ADJECTIVES, ATTRIBUTES, NOUNS, _distinct, _person, _sentences,
                               score_output)
 from kvmem.models import LoadedModel, load_model
 from kvmem.prompts import _template_parts

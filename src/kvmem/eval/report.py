@@ -557,7 +557,7 @@ def cost_lines(records: list[dict], runs: list[dict], label: str, usable: dict[t
         lines.append(f"  - The timing run answers as the suite did: {sum(outputs[cell(r)] == r['output'] for r in both)} "
                      f"of its {len(both)} answers that the suite also has are the same text.")
     if missing:
-        lines.append(f"  - Not priced (run on no sample of a task, so left out of the figures above): "
+        lines.append("  - Not priced (run on no sample of a task, so left out of the figures above): "
                      + "; ".join(missing) + ".")
     lines.append(f"  - Where that goes (every method; process time, twice the wall time on two processes): prefills "
                  f"{_hours(every[0])}, then per method (compression or press, and its share of the answers): " + ", ".join(

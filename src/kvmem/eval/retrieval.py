@@ -34,7 +34,7 @@ from kvmem.embed import (PRECISIONS, LMEmbedder, bytes_per_vector, get_embedder,
                          is_lm_method, parse_method, quantize_embeddings)
 from kvmem.embed.index import VectorIndex
 from kvmem.errors import KVMemError
-from kvmem.eval.tasks import load_abstracts
+from kvmem.calibration import load_abstracts
 
 SETS = ("abstracts", "questions")
 LM_BENCH_METHODS = "mean,last,prompteol,echo,token-prepending,kv-embedding,kv-embedding:layers=none"

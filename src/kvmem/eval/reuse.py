@@ -23,7 +23,6 @@ The document is the held-out text of the quant benchmark, so nothing here was se
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -35,7 +34,7 @@ import torch
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
 from kvmem.eval.quant import _append, delta_ppl, read_records, token_nlls
-from kvmem.generate import feed
+from kvmem.forward import feed
 from kvmem.reuse.prefix import TAIL, chunk_rows, prefill
 from kvmem.store import ChunkStore
 from kvmem.store.tiers import DiskTier, LocalRedis, MemoryTier, RedisTier

@@ -23,7 +23,7 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem.eval.tasks import load_abstracts
+from kvmem.calibration import load_abstracts
 from kvmem.generate import decode
 from kvmem.prompts import build_prompt
 from kvmem.reuse.prefix import prefill

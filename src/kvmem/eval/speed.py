@@ -6,7 +6,7 @@ Per model and context length, in one process (so machine noise hits every config
   track_attention=True)` (what h2o needs), run one after the other;
 * **compress** time of every method (keep ratio 0.25, uniform budget; snapkv also adaptive) on a copy of
   the prefilled cache, the copy not timed, as a fraction of the untracked prefill (goal: <= 5%);
-* **decode** ms per token (feeding the same token with `logits_to_keep=1`, as `kvmem.generate.feed`
+* **decode** ms per token (feeding the same token with `logits_to_keep=1`, as `kvmem.forward.feed`
   does) from a `DynamicCache`, a full `KVCache`, and `KVCache`s compressed to 0.25 with snapkv, uniform
   and adaptive (heads hold different numbers of tokens: the ragged storage path), interleaved step by
   step. Goal: decode from a compressed cache is no slower than from `DynamicCache`. kvmem caches drop
@@ -95,7 +95,7 @@ class SpeedConfig:
 # -- shared helpers ------------------------------------------------------------------------------------
 def context_ids(tokenizer, n: int) -> list[int]:
     """`n` tokens of real text (the seed abstracts, repeated if needed), plus the token that follows them."""
-    from kvmem.eval.tasks import load_abstracts
+    from kvmem.calibration import load_abstracts
 
     ids = tokenizer("\n\n".join(load_abstracts())).input_ids
     while len(ids) < n + 1:
@@ -178,7 +178,7 @@ def memory_probe(model: str, length: int, kind: str, threads: int, decode: int, 
     """Load `model`, prefill `length` tokens into a `kind` cache, decode `decode` tokens; measured bytes."""
     from transformers.utils import logging as hf_logging
 
-    from kvmem.generate import feed
+    from kvmem.forward import feed
     from kvmem.models import load_model
 
     hf_logging.disable_progress_bar()
@@ -249,7 +249,7 @@ def _quartiles(xs: list[float]) -> tuple[float, float]:
 @torch.no_grad()
 def time_model_length(lm, model: str, length: int, cfg: SpeedConfig, log=print) -> list[dict]:
     """Prefill, compression and decode timings of one model at one context length."""
-    from kvmem.generate import feed
+    from kvmem.forward import feed
 
     n = context_tokens(lm, length, cfg.room)
     ids = context_ids(lm.tokenizer, n)

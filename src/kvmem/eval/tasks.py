@@ -22,7 +22,7 @@ Tasks over real prose (the abstracts, not repeated filler), with facts about inv
   finds the abstract among the others and names the method.
 
 `perplexity_text` cuts token sequences from the same abstracts for recall / next-text perplexity.
-The haystack text is `data/abstracts.txt` (one abstract per line), shipped with the package.
+The haystack text is `kvmem/data/abstracts.txt` (one abstract per line, `kvmem.calibration.load_abstracts`), shipped with the package.
 """
 
 from __future__ import annotations
@@ -32,13 +32,12 @@ import re
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Callable, Sequence
 
+from kvmem.calibration import load_abstracts
 from kvmem.errors import KVMemError
 from kvmem.generate import normalize_text
 
-DATA_FILE = Path(__file__).parent / "data" / "abstracts.txt"
 NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 ADJECTIVES = tuple("""
 ancient angry bitter bold brave bright broad brown calm cheap clean clever cloudy cold cool crisp
@@ -82,13 +81,6 @@ class Sample:
 
 def _count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
-
-
-@lru_cache(maxsize=1)
-def load_abstracts() -> tuple[str, ...]:
-    """The shipped abstracts, one string each."""
-    lines = DATA_FILE.read_text(encoding="utf-8").splitlines()
-    return tuple(line.strip() for line in lines if line.strip())
 
 
 @lru_cache(maxsize=1)

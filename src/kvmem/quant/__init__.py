@@ -1,6 +1,6 @@
 """KV quantization: packed low-bit row storage behind the `Rows` contract, one file per scheme.
 
-`get_scheme("kivi-2")` or `get_scheme("kivi-4:group=64")`; `KVCache(config, quant="kivi-2")` holds every
+`get_scheme("kivi-2")` or `get_scheme("kivi-4:group=64")`; `KVCache(config, quant=get_scheme("kivi-2"))` holds every
 layer's rows that way (see `base.py`). Bit-packing and group quantization are in `pack.py`.
 """
 

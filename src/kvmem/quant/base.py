@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kvmem.errors import KVMemError
 from kvmem.quant.encoded import EXPORT_FORMAT, flatten, unflatten
+from kvmem.quant.pack import Quantized
 from kvmem.rows import ExportedRows, KernelRows, Rows, empty_rows, store_rows
 
 
@@ -58,12 +59,16 @@ class Scheme:
 
     name: ClassVar[str]
     calibrated: ClassVar[bool] = False
+    encoded_types: ClassVar[tuple[type, ...]] = (Quantized,)  # what `encode` returns, nested types too (export/import)
     bits: float  # average bits per stored element, codes only (scales, zero-points and outliers add to it)
     group: int
     residual: int = 0  # the newest rows kept in full precision beyond the incomplete block (KIVI's R)
 
     def check(self, head_dim: int) -> None:
         """Raise a KVMemError if the scheme cannot hold heads of this size."""
+
+    def encoded_type_names(self) -> dict[str, type]:
+        return {t.__name__: t for t in self.encoded_types}
 
     def prepare(self, lm) -> Scheme:
         """This scheme made ready for `lm` (fitted artefacts loaded or fitted, once, cached on disk)."""
@@ -359,7 +364,7 @@ class QuantizedRows(Rows):
             meta: dict = {}
             for prefix, q in (("k", qk), ("v", qv)):
                 if q is not None:
-                    flatten(q, prefix, tensors, meta)
+                    flatten(q, prefix, tensors, meta, self.scheme.encoded_type_names())
             heads.append(tensors)
             head_meta.append(meta)
         return ExportedRows(heads, codec=self.codec, meta={"format": EXPORT_FORMAT, "dtype": str(self.dtype).split(".")[-1],
@@ -383,9 +388,9 @@ class QuantizedRows(Rows):
         first = rows.heads[0]
         out = cls(scheme, len(rows.heads), first["residual_keys"].shape[-1], dtype, first["positions"].device,
                   first["residual_values"].shape[-1])
-        residual = []
+        residual, types = [], scheme.encoded_type_names()
         for h, (tensors, meta) in enumerate(zip(rows.heads, rows.meta["heads"])):
-            qk, qv = (unflatten(prefix, tensors, meta) if f"{prefix}.__type" in meta else None for prefix in ("k", "v"))
+            qk, qv = (unflatten(prefix, tensors, meta, types) if f"{prefix}.__type" in meta else None for prefix in ("k", "v"))
             p = tensors["positions"]
             if p.dtype != torch.int32 or p.dim() != 1 or (p.numel() > 1 and not bool((p[1:] > p[:-1]).all())):
                 raise KVMemError(f"head {h}: positions must be int32 and increasing")

@@ -5,7 +5,7 @@ thresholds, RotateKV's channel order, Coupled Quantization's codebooks).
 each layer's keys and values as the cache receives them (after RoPE), their positions, and optionally the
 squared gradients of the language-model loss with respect to them: the diagonal Fisher information that
 KVQuant and CQ use to weight their k-means ("sensitivity-weighted"). Fitted artefacts are cached with
-`kvmem.compress.calibration.load_or_fit` (stamped with the model fingerprint, refitted on mismatch).
+`kvmem.calibration.load_or_fit` (stamped with the model fingerprint, refitted on mismatch).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicCache
 
-from kvmem.compress.calibration import calibration_ids
+from kvmem.calibration import calibration_ids
 from kvmem.rope import rope_frequencies, unrotate
 
 

@@ -12,7 +12,7 @@ CQ-4c8b (2: `cq-2`) and CQ-8c8b (1: `cq-1`).
 Centroids are learned by k-means on calibration activations (`kvmem.quant.calibrate`), each activation
 weighted by its diagonal Fisher information summed over the coupled channels ("Fisher-guided centroid
 learning": the squared loss gradient tells how much an error on that token matters). Codebooks are fitted
-once per model and cached (`kvmem.compress.calibration.load_or_fit`, refitted on any fingerprint or
+once per model and cached (`kvmem.calibration.load_or_fit`, refitted on any fingerprint or
 parameter change). Keys are coupled before RoPE (`pre_rope`, as KVQuant, whose sensitivity-weighted
 calibration CQ extends): pre-RoPE channels keep their joint structure at every position, while after RoPE
 the low channels turn with the position and the joint distribution smears into rings. The paper's
@@ -139,6 +139,7 @@ def plus_plus(x: Tensor, k: int, w: Tensor, gen: torch.Generator) -> Tensor:
 
 class CoupledQuantization(Scheme):
     calibrated = True
+    encoded_types = (Codes,)
     group = 1  # each token's row is encoded on its own
 
     def __init__(self, bits: int, residual: int = 32, sequences: int = DEFAULTS["sequences"],
@@ -169,7 +170,7 @@ class CoupledQuantization(Scheme):
     def prepare(self, lm) -> CoupledQuantization:
         """A copy of this scheme with the codebooks fitted for `lm` (loaded from the artefact cache, or fitted
         once and saved); this instance stays unprepared."""
-        from kvmem.compress.calibration import load_or_fit  # imported here: kvmem.compress imports the cache
+        from kvmem.calibration import load_or_fit  # imported here: kvmem.compress imports the cache
         from kvmem.rope import rope_frequencies
 
         config = lm.model.config.get_text_config()

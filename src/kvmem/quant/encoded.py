@@ -13,19 +13,10 @@ from kvmem.errors import KVMemError
 EXPORT_FORMAT = 1
 
 
-def _encoded_types() -> dict[str, type]:
-    """The encoded row types an export may name (only these are ever rebuilt from stored metadata)."""
-    from kvmem.quant.cq import Codes
-    from kvmem.quant.kvquant import SparseCoded
-    from kvmem.quant.pack import Quantized
-    from kvmem.quant.rotatekv import WithSinks
-
-    return {t.__name__: t for t in (Quantized, SparseCoded, WithSinks, Codes)}
-
-
-def flatten(obj, prefix: str, tensors: dict, meta: dict) -> None:
-    """A dataclass of encoded rows as named tensors plus JSON-able metadata (nested dataclasses too)."""
-    if type(obj).__name__ not in _encoded_types():
+def flatten(obj, prefix: str, tensors: dict, meta: dict, types: dict[str, type]) -> None:
+    """A dataclass of encoded rows as named tensors plus JSON-able metadata (nested dataclasses too). `types`: the
+    encoded types the rows' scheme declares (`Scheme.encoded_types`), by name."""
+    if types.get(type(obj).__name__) is not type(obj):
         raise KVMemError(f"{type(obj).__name__} rows cannot be exported")
     meta[f"{prefix}.__type"] = type(obj).__name__
     for f in dataclasses.fields(obj):
@@ -33,15 +24,15 @@ def flatten(obj, prefix: str, tensors: dict, meta: dict) -> None:
         if isinstance(value, Tensor):
             tensors[key] = value.clone()
         elif dataclasses.is_dataclass(value):
-            flatten(value, key, tensors, meta)
+            flatten(value, key, tensors, meta, types)
         elif isinstance(value, torch.dtype):
             meta[key] = {"dtype": str(value).split(".")[-1]}
         else:
             meta[key] = list(value) if isinstance(value, tuple) else value
 
 
-def unflatten(prefix: str, tensors: dict, meta: dict):
-    types = _encoded_types()
+def unflatten(prefix: str, tensors: dict, meta: dict, types: dict[str, type]):
+    """The dataclass `flatten` wrote; only the types in `types` are ever rebuilt from stored metadata."""
     cls = types.get(meta.get(f"{prefix}.__type"))
     if cls is None:
         raise KVMemError(f"encoded rows name an unknown type {meta.get(f'{prefix}.__type')!r}")
@@ -51,7 +42,7 @@ def unflatten(prefix: str, tensors: dict, meta: dict):
         if key in tensors:
             values[f.name] = tensors[key]
         elif f"{key}.__type" in meta:
-            values[f.name] = unflatten(key, tensors, meta)
+            values[f.name] = unflatten(key, tensors, meta, types)
         elif key in meta:
             v = meta[key]
             if isinstance(v, dict) and "dtype" in v:

@@ -10,7 +10,6 @@ can be grouped along tokens. Defaults as the paper's main setting: G = 32, R = 1
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError

@@ -82,6 +82,7 @@ class SparseCoded:
 
 class KVQuant(Scheme):
     calibrated = True
+    encoded_types = (SparseCoded,)
 
     def __init__(self, bits: int, outliers: float = 0.01, sinks: int = 1, pre_rope: int = 1, sequences: int = 4,
                  length: int = 512):
@@ -103,7 +104,7 @@ class KVQuant(Scheme):
 
     # -- fitting ---------------------------------------------------------------------------------------
     def prepare(self, lm) -> KVQuant:
-        from kvmem.compress.calibration import load_or_fit  # imported here: kvmem.compress imports the cache
+        from kvmem.calibration import load_or_fit  # imported here: kvmem.compress imports the cache
 
         params = {"bits": self.bits, "outliers": self.outliers, "pre_rope": self.pre_rope,
                   "sequences": self.sequences, "length": self.length}

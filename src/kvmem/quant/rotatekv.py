@@ -96,6 +96,7 @@ class WithSinks:
 
 class RotateKV(Scheme):
     calibrated = True
+    encoded_types = (WithSinks, Quantized)
 
     def __init__(self, bits: int, group: int = 32, residual: int = 0, clip: float | None = None,
                  pre_rope: bool = True, sinks: bool = True, sequences: int = 2, length: int = 512):
@@ -225,7 +226,7 @@ class RotateKV(Scheme):
 
 # -- fitting --------------------------------------------------------------------------------------------
 def load_or_fit_rotatekv(lm, params: dict) -> dict[str, Tensor]:
-    from kvmem.compress.calibration import load_or_fit
+    from kvmem.calibration import load_or_fit
 
     return load_or_fit(lm, "rotatekv-order", params, lambda: fit_rotatekv(lm, **params))
 
@@ -235,7 +236,7 @@ def fit_rotatekv(lm, sequences: int, length: int, top: int) -> dict[str, Tensor]
     """Per layer: the channel order of the Hadamard-rotated keys before RoPE (`order`) and after it
     (`order_post`, for the post-RoPE ablation), each head's channels sorted by their calibration mean; and each
     head's sink threshold on value norms (`sink`)."""
-    from kvmem.compress.calibration import calibration_ids
+    from kvmem.calibration import calibration_ids
     from kvmem.quant.calibrate import calibration_kv
 
     acts = calibration_kv(lm, sequences, length)  # keys after RoPE

@@ -42,7 +42,8 @@ from torch import Tensor
 from kvmem.attention import visible
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem.generate import decode, feed
+from kvmem.forward import feed
+from kvmem.generate import decode
 from kvmem.models import LoadedModel
 from kvmem.rope import move, rope_frequencies
 from kvmem.rows import ExportedRows

@@ -164,7 +164,7 @@ def compute_rest(lm, cache: KVCache, ids: list[int], start: int, store: ChunkSto
     """Prefill ids[start:] on top of the cache in pieces that end on chunk boundaries and at `context_end` (`start`
     may fall inside a chunk), saving each chunk completed (its first rows may have been loaded) and, under
     `tail_key`, the context's partial last chunk; returns the last token's logits."""
-    from kvmem.generate import feed
+    from kvmem.forward import feed
 
     logits = None
     t_all = time.perf_counter()

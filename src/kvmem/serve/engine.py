@@ -35,7 +35,8 @@ from typing import AsyncIterator, Callable
 import torch
 
 from kvmem.errors import KVMemError
-from kvmem.generate import end_ids, feed, prepare
+from kvmem.forward import feed
+from kvmem.generate import end_ids, prepare
 from kvmem.models import LoadedModel
 from kvmem.prompts import Prompt
 

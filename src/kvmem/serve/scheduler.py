@@ -61,7 +61,8 @@ from kvmem.batch import RowBatch
 from kvmem.cache import KVCache
 from kvmem.compress import get_method
 from kvmem.errors import KVMemError
-from kvmem.generate import end_ids, feed, new_cache, step
+from kvmem.forward import feed, step
+from kvmem.generate import end_ids, new_cache
 from kvmem.models import LoadedModel, on_passing_thread
 from kvmem.serve.engine import (Busy, Event, Job, Stopped, Stream, prefill_job, stop_if_ended, timeout_event,
                                 until_last)

@@ -2,7 +2,8 @@
 (codecs.py: raw, quant:<scheme>, cachegen), byte tiers (tiers.py: memory, disk, Redis) and the verifying
 `ChunkStore` (store.py). `kvmem.reuse` decides what to look up and how to use it."""
 
-from kvmem.store.codecs import Codec, get_codec
+from kvmem.store.codec import Codec
+from kvmem.store.codecs import get_codec
 from kvmem.store.store import ChunkStore, StoreWarning
 from kvmem.store.tiers import parse_stack
 

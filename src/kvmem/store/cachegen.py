@@ -37,7 +37,7 @@ from kvmem.errors import KVMemError
 from kvmem.quant.pack import pack, unpack
 from kvmem.rows import ExportedRows
 from kvmem.spec import check_options, format_spec, parse_spec
-from kvmem.store.codecs import Codec, _dtype, _tensor
+from kvmem.store.codec import Codec, _dtype, _tensor
 
 ANCHOR_HALF = 127  # anchor alphabet -127..127 plus the escape: 256 symbols
 # Defaults measured on smollm2-135m while writing this (1024-token prefills, 256-token continuations): next-token KL and Δppl about kivi-4's at

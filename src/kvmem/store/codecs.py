@@ -17,48 +17,14 @@ stored chunk, and a chunk of another codec or version is refused on read (recomp
 from __future__ import annotations
 
 import copy
-from typing import ClassVar
 
-import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
 from kvmem.quant.base import Scheme
 from kvmem.rows import ExportedRows
-
-
-class Codec:
-    name: ClassVar[str]
-    version: ClassVar[int] = 1
-    lossless: ClassVar[bool] = False
-    carries_encoded: ClassVar[bool] = False  # stores rows a quantized layer exports encoded, and gives them back as such
-
-    @property
-    def spec(self) -> str:
-        return self.name
-
-    def for_model(self, lm) -> Codec:
-        """This codec made ready for `lm` (a calibrated quantizer loads its artefacts)."""
-        return self
-
-    def encode(self, layers: list[ExportedRows]) -> tuple[dict[str, Tensor], dict]:
-        raise NotImplementedError
-
-    def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
-        raise NotImplementedError
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise KVMemError(f"chunk names an unknown dtype {name!r}")
-    return dtype
-
-
-def _tensor(tensors: dict[str, Tensor], key: str) -> Tensor:
-    if key not in tensors:
-        raise KVMemError(f"chunk lacks tensor {key!r}")
-    return tensors[key]
+from kvmem.store.cachegen import parse_cachegen
+from kvmem.store.codec import Codec, _tensor
 
 
 class RawCodec(Codec):
@@ -159,7 +125,5 @@ def get_codec(spec: str) -> Codec:
     if spec.startswith("quant:"):
         return QuantCodec(spec.split(":", 1)[1])
     if spec == "cachegen" or spec.startswith("cachegen:"):
-        from kvmem.store.cachegen import CacheGenCodec, parse_cachegen
-
         return parse_cachegen(spec)
     raise KVMemError(f"unknown codec {spec!r}; available: raw, quant:<scheme> (e.g. quant:kivi-8), cachegen")

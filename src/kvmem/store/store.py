@@ -27,7 +27,8 @@ import torch
 from kvmem.errors import KVMemError
 from kvmem.rows import ExportedRows
 from kvmem.store import chunk
-from kvmem.store.codecs import Codec, get_codec
+from kvmem.store.codec import Codec
+from kvmem.store.codecs import get_codec
 from kvmem.store.keys import chunk_keys, namespace, span_key
 from kvmem.store.tiers import Tier, parse_stack
 

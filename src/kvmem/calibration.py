@@ -1,5 +1,6 @@
 """Calibration artefacts: per-model tensors some methods fit once, offline, on shipped text (Q-Filters'
-directions, retrieval-head scores), never downloaded.
+directions, retrieval-head scores, quantization codebooks), never downloaded. The shipped text is
+`data/abstracts.txt`, one abstract per line (`load_abstracts`).
 
 Each artefact is a safetensors file under `<kvmem cache>/calibration/`, named by method and model, whose
 metadata holds the model fingerprint and the fitting parameters. `load_or_fit` refits (and overwrites)
@@ -12,6 +13,8 @@ import hashlib
 import json
 import os
 import sys
+from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -20,6 +23,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from kvmem.errors import KVMemError
+from kvmem.models import cache_dir
+
+ABSTRACTS = Path(__file__).parent / "data" / "abstracts.txt"
 
 _LOADED: dict[tuple, dict[str, Tensor]] = {}  # in-process: each artefact is read once
 
@@ -27,8 +33,6 @@ _LOADED: dict[tuple, dict[str, Tensor]] = {}  # in-process: each artefact is rea
 def artefact_path(name: str, model_name: str, params: dict | None = None):
     """Where an artefact is cached: by method, model and (a short hash of) the fitting parameters, so artefacts of
     different settings live side by side instead of refitting each other."""
-    from kvmem.models import cache_dir
-
     tag = "" if params is None else "--" + hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
     return cache_dir() / "calibration" / f"{name}--{model_name.replace('/', '_')}{tag}.safetensors"
 
@@ -65,9 +69,14 @@ def load_or_fit(lm, name: str, params: dict, fit: Callable[[], dict[str, Tensor]
 def calibration_ids(tokenizer, n_sequences: int, length: int) -> list[list[int]]:
     """`n_sequences` token sequences of `length` tokens of the shipped abstracts (consecutive, no repeats
     until the text runs out)."""
-    from kvmem.eval.tasks import load_abstracts
-
     ids = tokenizer("\n\n".join(load_abstracts()), add_special_tokens=False).input_ids
     if len(ids) < n_sequences * length:
         raise KVMemError(f"the shipped text has {len(ids)} tokens; calibration asked for {n_sequences} x {length}")
     return [ids[i * length:(i + 1) * length] for i in range(n_sequences)]
+
+
+@lru_cache(maxsize=1)
+def load_abstracts() -> tuple[str, ...]:
+    """The shipped abstracts, one string each."""
+    lines = ABSTRACTS.read_text(encoding="utf-8").splitlines()
+    return tuple(line.strip() for line in lines if line.strip())

@@ -1,0 +1,209 @@
+"""Compression run: a keep ratio turned into per-(layer, head) budgets, the method's scores into the rows kept, and
+the rest evicted from the `KVCache` for real (`compress` after a prefill, `Compressor` as the model runs). The
+methods themselves are in their own files, on the base in `base.py`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from kvmem.cache import KVCache, KVLayer
+from kvmem.compress.base import HeadView, Method, ModelContext
+from kvmem.compress.budget import BUDGETS, PROBES, WHOLE_CACHE, allocate
+from kvmem.compress.retrieval_heads import retrieval_scores
+from kvmem.errors import KVMemError
+
+
+@dataclass
+class CompressionResult:
+    kv_bytes_before: int
+    kv_bytes_after: int
+    tokens_before: int
+    tokens_after: int
+
+    @property
+    def fraction_kept(self) -> float:
+        return self.kv_bytes_after / self.kv_bytes_before if self.kv_bytes_before else 1.0
+
+
+def check_keep_ratio(keep_ratio: float | Sequence[float], n_layers: int) -> list[float]:
+    ratios = [float(keep_ratio)] * n_layers if isinstance(keep_ratio, (int, float)) else [float(r) for r in keep_ratio]
+    if len(ratios) != n_layers:
+        raise KVMemError(f"got {len(ratios)} per-layer keep ratios for a model with {n_layers} layers")
+    bad = [r for r in ratios if not (0.0 < r <= 1.0) or math.isnan(r)]
+    if bad:
+        raise KVMemError(f"keep ratio must be in (0, 1] (the fraction of the KV cache kept); got {bad[0]}")
+    return ratios
+
+
+def head_views(layer: KVLayer, layer_idx: int) -> list[HeadView]:
+    seen = layer.observation
+    groups = seen.recent_queries.shape[0] // layer.num_heads if seen.recent_queries is not None else 0
+    views = []
+    for h, (keys, values, positions) in enumerate(layer.rows.heads()):
+        q = seen.recent_queries[h * groups:(h + 1) * groups] if groups else keys.new_zeros((0, 0, 0))
+        views.append(HeadView(
+            layer=layer_idx, head=h, keys=keys, values=values, positions=positions, queries=q,
+            query_positions=seen.recent_positions if groups else positions[:0],
+            attention=seen.head_attention[h] if seen.head_attention is not None else None,
+            scaling=seen.scaling or 1.0 / math.sqrt(keys.shape[-1]), sliding_window=layer.sliding_window,
+        ))
+    return views
+
+
+def _check(method: Method, ratios: list[float], layer: KVLayer, context: ModelContext | None = None) -> None:
+    if method.name == "full" and min(ratios) < 1.0:
+        raise KVMemError("method 'full' keeps every token; its keep ratio must be 1.0")
+    if method.budget not in BUDGETS:
+        raise KVMemError(f"unknown budget {method.budget!r}; choose from {', '.join(BUDGETS)}")
+    seen = layer.observation
+    if method.needs_attention and not seen.track_attention:
+        raise KVMemError(f"method {method.name!r} needs the cache built with track_attention=True before prefill")
+    if method.observe_window and (seen.recent_queries is None or seen.window < method.observe_window):
+        raise KVMemError(f"method {method.spec!r} reads the last {method.observe_window} queries; the cache keeps "
+                         f"{seen.window if seen.recent_queries is not None else 0} (KVCache(observe_window=...))")
+    if (method.needs_model or method.budget in PROBES) and context is None:
+        why = (f"method {method.name!r} needs the model (it reruns it, or reads its RoPE or calibration)"
+               if method.needs_model else f"budget {method.budget!r} needs the model (its retrieval-head probe)")
+        raise KVMemError(f"{why}: pass context=ModelContext(lm, ids) (the token ids the cache holds)")
+
+
+@torch.no_grad()
+def compress(
+    cache: KVCache,
+    method: Method,
+    keep_ratio: float | Sequence[float],
+    *,
+    protect_from: int | None = None,
+    context: ModelContext | None = None,
+) -> CompressionResult:
+    """Evict tokens from `cache` in place so each layer keeps `keep_ratio` of its compressible tokens,
+    shared among heads by the method's budget.
+
+    Tokens at positions >= `protect_from` (e.g. the question in the query-aware setting) are always kept
+    and not counted in the budget. `keep_ratio` may be one float or one per layer. `context` is needed by
+    methods that run the model (`method.needs_model`).
+    """
+    ratios = check_keep_ratio(keep_ratio, len(cache.layers))
+    _check(method, ratios, cache.layers[0], context)
+    if method.sliding == "keep":
+        ratios = [1.0 if layer.is_sliding else r for r, layer in zip(ratios, cache.layers)]
+    before = cache.kv_bytes(), sum(map(sum, cache.tokens_held()))
+    layers = {i: layer for i, layer in enumerate(cache.layers) if ratios[i] < 1.0 and layer.is_initialized}
+    if layers:
+        views = {i: head_views(layer, i) for i, layer in layers.items()}
+        scores = method.score_cache(views, cache, context)
+        head_scores = None
+        if method.budget in PROBES:
+            probe = retrieval_scores(context.lm, PROBES[method.budget])
+            head_scores = {i: probe[f"layer.{i}"] for i in layers}
+        evict(layers, views, scores, method, {i: ratios[i] for i in layers}, len(cache.layers), protect_from,
+              head_scores)
+    return CompressionResult(before[0], cache.kv_bytes(), before[1], sum(map(sum, cache.tokens_held())))
+
+
+def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: dict[int, list[Tensor]], method: Method,
+          ratios: dict[int, float], n_layers: int, protect_from: int | None = None,
+          head_scores: dict[int, Tensor] | None = None) -> None:
+    """Budget and evict: each head keeps its allocated number of compressible tokens, chosen by
+    `method.select`, plus every protected token."""
+    # positions increase along a head, so the compressible tokens (before `protect_from`) are a prefix
+    sizes = {i: [int(torch.searchsorted(h.positions, torch.tensor(protect_from, dtype=h.positions.dtype)))
+                 if protect_from is not None else h.positions.numel() for h in heads] for i, heads in views.items()}
+    shares = {i: [max(1, math.ceil(ratios[i] * n)) for n in sizes[i]] for i in views}
+    counts = allocate(method.budget, {i: [s[:n] for s, n in zip(scores[i], sizes[i])] for i in views}, shares, n_layers,
+                      head_scores)
+    # a razor compensation token takes a slot of its head's share; when the shares leave none (a context of a few
+    # tokens, every head at its one-row minimum) no compensation token is added, so the budget still holds
+    compensate = method.budget == "razor" and sum(
+        min(c, n) + (c < n and not layers[i].is_sliding) for i in views for c, n in zip(counts[i], sizes[i])
+    ) <= sum(map(sum, shares.values()))
+    for i, layer in layers.items():
+        keep, compensation = [], []
+        for view, score, n, n_keep in zip(views[i], scores[i], sizes[i], counts[i]):
+            region, protected = torch.arange(n), torch.arange(n, view.positions.numel())
+            if n_keep >= n:
+                chosen = region
+            else:  # slices, not copies: the scorer sees the compressible prefix
+                sub = HeadView(**{**view.__dict__, "keys": view.keys[:n], "values": view.values[:n],
+                                  "positions": view.positions[:n],
+                                  "attention": view.attention[:, :n] if view.attention is not None else None})
+                chosen = method.select(sub, score[:n], n_keep)
+            keep.append(torch.cat([chosen, protected]))
+            compensation.append(_compensation(view, region, chosen) if compensate and not layer.is_sliding else None)
+        layer.keep_only(keep)
+        if any(row is not None for row in compensation):
+            layer.add_rows(compensation)
+
+
+def _compensation(view: HeadView, region: Tensor, chosen: Tensor) -> tuple[Tensor, Tensor, int, float] | None:
+    """RazorAttention's compensation token for what a head dropped: mean key and value, standing for all of
+    them (log-weight log n); at the last dropped position, so it stays visible as long as they would."""
+    dropped = region[~torch.isin(region, chosen)]
+    if dropped.numel() == 0:
+        return None
+    return (view.keys[dropped].float().mean(0), view.values[dropped].float().mean(0),
+            int(view.positions[dropped].max()), math.log(dropped.numel()))
+
+
+class Compressor:
+    """Compression run by the cache itself as the model runs, so `model.generate` needs no extra step.
+
+    Each layer is compressed right after its attention has read the first forward (the prefill): the
+    rest of that forward is unaffected, exactly as if the whole cache were compressed afterwards. With
+    `every=N`, every N later forwards each layer is brought back to the size it had after that.
+    Use: `KVCache(config, compressor=Compressor(get_method("snapkv"), 0.25))`; each cache works on its own
+    copy (`bind`), so one Compressor serves any number of caches. Layer by layer, so budgets
+    that compare layers (`global`, `duo`) and methods that need the model (`kvzip`) are applied with `compress()`
+    after the prefill instead; `model.generate` then continues from that cache.
+    """
+
+    def __init__(self, method: Method, keep_ratio: float, every: int = 0):
+        check_keep_ratio(keep_ratio, 1)
+        if method.needs_model or method.budget in WHOLE_CACHE:
+            what = (f"method {method.name!r} needs the model" if method.needs_model
+                    else f"budget {method.budget!r} compares heads of all layers")
+            raise KVMemError(f"{what}, so it cannot compress layer by layer as the model runs: prefill, then call "
+                             "kvmem.compress.compress(cache, method, ratio, context=...), then generate from the cache")
+        self.method, self.keep_ratio, self.every = method, keep_ratio, every
+        self.n_layers = 0  # set by bind()
+        self._budget: dict[int, int] = {}  # layer -> max tokens per head after the prefill
+        self._steps: dict[int, int] = {}
+
+    def bind(self, n_layers: int) -> "Compressor":
+        """A fresh copy for one cache of a model with `n_layers` layers (the state is per cache)."""
+        bound = Compressor(self.method, self.keep_ratio, self.every)
+        bound.n_layers = n_layers
+        return bound
+
+    def _compress(self, layer: KVLayer, layer_idx: int, ratio: float) -> None:
+        views = {layer_idx: head_views(layer, layer_idx)}
+        evict({layer_idx: layer}, views, {layer_idx: self.method.score_layer(views[layer_idx])}, self.method,
+              {layer_idx: ratio}, self.n_layers)
+
+    def __call__(self, layer: KVLayer, layer_idx: int) -> None:
+        if layer.is_sliding and self.method.sliding == "keep":
+            return
+        if layer_idx not in self._budget:
+            _check(self.method, [self.keep_ratio], layer)
+            if self.keep_ratio < 1.0:
+                self._compress(layer, layer_idx, self.keep_ratio)
+            self._budget[layer_idx], self._steps[layer_idx] = _budgeted_rows(layer), 0
+            return
+        self._steps[layer_idx] += 1
+        if self.every and self._steps[layer_idx] % self.every == 0:
+            ratio = self._budget[layer_idx] / max(layer.lengths())  # select the budget among every row held
+            if ratio < 1.0:
+                self._compress(layer, layer_idx, ratio)
+
+
+def _budgeted_rows(layer: KVLayer) -> int:
+    """The most rows a head of `layer` holds that count against the budget: all of them, or, where evicted rows
+    are demoted instead (mixed precision, quant/mikv.py), the high-precision ones."""
+    if hasattr(layer.rows, "split"):
+        return max((len(high) for high, _ in layer.rows.split()), default=0)
+    return max(layer.lengths())

@@ -1,0 +1,69 @@
+"""The shape of the code: the product's imports run one way (no module reaches, even lazily, a module that reaches
+it back), so each layer can be read and changed on its own. The layers are in docs/ARCHITECTURE.md."""
+
+from __future__ import annotations
+
+from graphlib import CycleError, TopologicalSorter
+
+import grimp
+import pytest
+
+BENCHMARK = "kvmem.eval"  # the benchmark, still inside the package: its own circles are its move's business
+
+
+@pytest.fixture(scope="module")
+def graph():
+    # every import counts, also those inside functions; `if TYPE_CHECKING:` ones run never and do not
+    return grimp.build_graph("kvmem", exclude_type_checking_imports=True)
+
+
+def product_modules(graph) -> set[str]:
+    return {m for m in graph.modules if not (m == BENCHMARK or m.startswith(BENCHMARK + "."))}
+
+
+def test_the_product_has_no_import_circle(graph):
+    product = product_modules(graph)
+    order = TopologicalSorter({m: graph.find_modules_directly_imported_by(m) & product for m in product})
+    try:
+        order.prepare()
+    except CycleError as e:
+        pytest.fail("import circle: " + " -> ".join(e.args[1]))
+
+
+def test_the_circle_check_finds_a_circle(graph):
+    """The check above, on the same graph with one upward import added (storage importing the server): it fails."""
+    graph = graph.copy()
+    graph.add_import(importer="kvmem.rows", imported="kvmem.serve.scheduler", line_number=1, line_contents="import")
+    product = product_modules(graph)
+    with pytest.raises(CycleError):
+        TopologicalSorter({m: graph.find_modules_directly_imported_by(m) & product for m in product}).prepare()
+
+
+# (lower, upper): the lower never reaches the upper, directly or through others. `pkg.*` stands for every module of
+# a package; `kvmem.quant` alone is its __init__, the scheme registry (`get_scheme`), and kvmem.quant.base the
+# quantized rows the cache holds.
+LAYERS = [("kvmem.rows", "kvmem.cache"), ("kvmem.quant.base", "kvmem.cache"), ("kvmem.cache", "kvmem.quant"),
+          ("kvmem.cache", "kvmem.compress.*"), ("kvmem.cache", "kvmem.models"), ("kvmem.models", "kvmem.forward"),
+          ("kvmem.compress.*", "kvmem.generate"), ("kvmem.quant.*", "kvmem.generate"), ("kvmem.quant.*", "kvmem.store.*"),
+          ("kvmem.reuse.prefix", "kvmem.generate"), ("kvmem.store.*", "kvmem.generate"), ("kvmem.generate", "kvmem.serve.*"),
+          ("kvmem.calibration", BENCHMARK + ".*")]
+
+
+def _chain(graph, low: str, high: str):
+    """The shortest import chain from `low` (or a module of it) to `high` (or a module of it), or None."""
+    lows = graph.find_descendants(low[:-2]) | {low[:-2]} if low.endswith(".*") else {low}
+    highs = graph.find_descendants(high[:-2]) | {high[:-2]} if high.endswith(".*") else {high}
+    chains = [graph.find_shortest_chain(importer=a, imported=b) for a in sorted(lows) for b in sorted(highs)]
+    return min((c for c in chains if c), key=len, default=None)
+
+
+@pytest.mark.parametrize("low, high", LAYERS)
+def test_a_lower_layer_reaches_no_upper_one(graph, low, high):
+    chain = _chain(graph, low, high)
+    assert chain is None, f"{low} reaches {high}: {' -> '.join(chain)}"
+
+
+def test_the_layer_check_finds_an_upward_import(graph):
+    graph = graph.copy()
+    graph.add_import(importer="kvmem.quant.pack", imported="kvmem.store.store", line_number=1, line_contents="import")
+    assert _chain(graph, "kvmem.quant.*", "kvmem.store.*") == ("kvmem.quant.pack", "kvmem.store.store")
