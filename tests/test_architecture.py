@@ -42,7 +42,7 @@ def test_the_circle_check_finds_a_circle(graph):
 # (lower, upper): the lower never reaches the upper, directly or through others. `pkg.*` stands for every module of
 # a package; `kvmem.quant` alone is its __init__, the scheme registry (`get_scheme`), and kvmem.quant.base the
 # quantized rows the cache holds.
-LAYERS = [("kvmem.rows", "kvmem.cache"), ("kvmem.quant.base", "kvmem.cache"), ("kvmem.cache", "kvmem.quant"),
+LAYERS = [("kvmem.rows", "kvmem.layer"), ("kvmem.layer", "kvmem.cache"), ("kvmem.quant.base", "kvmem.cache"), ("kvmem.cache", "kvmem.quant"),
           ("kvmem.cache", "kvmem.compress.*"), ("kvmem.cache", "kvmem.models"), ("kvmem.models", "kvmem.forward"),
           ("kvmem.compress.*", "kvmem.generate"), ("kvmem.quant.*", "kvmem.generate"), ("kvmem.quant.*", "kvmem.store.*"),
           ("kvmem.reuse.prefix", "kvmem.generate"), ("kvmem.store.*", "kvmem.generate"), ("kvmem.generate", "kvmem.serve.*"),

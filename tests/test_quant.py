@@ -104,7 +104,7 @@ def test_decode_steps_from_quantized_rows_match_full_precision(tiny_llama, monke
     """Without the decode kernel, decode steps read every head decoded into one buffer (all heads in one pass, or head
     by head for a scheme without a batched decode: the same rows) through kvmem's GQA attention (no repeat_kv): the
     same logits as the full-precision cache, up to the codes' error."""
-    from kvmem.cache import KVLayer
+    from kvmem.layer import KVLayer
     from kvmem.quant.base import Scheme
     from kvmem.quant.kivi import KIVI
 
@@ -138,7 +138,7 @@ def test_ragged_quantized_heads_decode_in_one_pass_as_head_by_head(kind, request
     sliding layers, to the window). The logits are those of attention head by head, up to float summation order,
     and the joined codes are held once (the heads' codes are views of them)."""
     import kvmem.attention as attention
-    from kvmem.cache import KVLayer
+    from kvmem.layer import KVLayer
 
     model = request.getfixturevalue(kind)
     ids = random_ids(90, 8)
@@ -209,7 +209,7 @@ def test_decode_steps_read_the_codes_in_place_as_decoded_rows_would(kind, spec, 
     rows and attending them in PyTorch, up to float summation order. Without quantization (None) the same holds for
     evicted full-precision layers (uniform and adaptive budgets), which PyTorch attends head by head when ragged."""
     import kvmem.kernel as kernel
-    from kvmem.cache import KVLayer
+    from kvmem.layer import KVLayer
 
     model = request.getfixturevalue(kind)
     ids = random_ids(84, 9)

@@ -15,7 +15,8 @@ from kvmem.embed.base import Embedder
 from kvmem.errors import KVMemError
 from kvmem.models import LoadedModel
 from kvmem.reuse import prefill
-from kvmem.reuse.semantic import IndexWarning, SemanticIndex, prefill_semantic, prompt_key
+from kvmem.reuse.semantic import prefill_semantic
+from kvmem.reuse.semantic_index import IndexWarning, SemanticIndex, prompt_key
 from kvmem.store import ChunkStore, StoreWarning
 
 CHUNK = 256

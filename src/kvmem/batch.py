@@ -18,7 +18,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvmem.attention import rows_mask
-from kvmem.cache import KVCache, KVLayer
+from kvmem.cache import KVCache
+from kvmem.layer import KVLayer
 from kvmem.errors import KVMemError
 
 _PAD_POSITION = torch.iinfo(torch.int32).max  # after every query: causally invisible

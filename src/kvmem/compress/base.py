@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from kvmem.cache import KVCache, KVLayer
+from kvmem.cache import KVCache
+from kvmem.layer import KVLayer
 from kvmem.observe import Observation
 from kvmem.spec import format_spec
 

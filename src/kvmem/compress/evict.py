@@ -11,7 +11,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from kvmem.cache import KVCache, KVLayer
+from kvmem.cache import KVCache
+from kvmem.layer import KVLayer
 from kvmem.compress.base import HeadView, Method, ModelContext
 from kvmem.compress.budget import BUDGETS, PROBES, WHOLE_CACHE, allocate
 from kvmem.compress.retrieval_heads import retrieval_scores

@@ -356,9 +356,10 @@ def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ..
     from kvmem.batch import BatchedCache, RowBatch
     from unittest.mock import patch
 
-    from kvmem.cache import KVCache, KVLayer
+    from kvmem.cache import KVCache
     from kvmem.compress import compress, get_method
     from kvmem.forward import feed, step
+    from kvmem.layer import KVLayer
     from kvmem.models import load_model
     from kvmem.quant import get_scheme
 

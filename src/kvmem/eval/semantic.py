@@ -27,7 +27,8 @@ from kvmem.calibration import load_abstracts
 from kvmem.generate import decode
 from kvmem.prompts import build_prompt
 from kvmem.reuse.prefix import prefill
-from kvmem.reuse.semantic import SemanticIndex, prefill_semantic
+from kvmem.reuse.semantic import prefill_semantic
+from kvmem.reuse.semantic_index import SemanticIndex
 from kvmem.store import ChunkStore
 
 QUESTIONS = (

@@ -32,99 +32,19 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmem.errors import KVMemError
 from kvmem.models import LoadedModel
 from kvmem.prompts import Prompt, chat_prompt
 from kvmem.serve.engine import REUSE_MODES, Busy, Engine, Event, Job, Options, Sampling
+from kvmem.serve.schemas import (APIError, ChatRequest, CompletionRequest, EmbeddingRequest, Generation, KVMemOptions,
+                                 error_body, refuse_unsupported)
 from kvmem.serve.scheduler import Scheduler
 from kvmem.serve.metrics import Metrics
 
 DOC_END = "\n\n"  # after each document, as in the RAG benchmark
 MAX_EMBED_INPUTS = 256
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code, self.headers = (
-            status, message, type, param, code, headers)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-# -- request bodies ----------------------------------------------------------------------------------------
-class KVMemOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    method: str | None = None
-    keep_ratio: float | None = None
-    quant: str | None = None
-    query_aware: bool | None = None
-    use_store: bool | None = None
-    fill_store: bool | None = None
-    reuse: str | None = None
-    documents: list[str] | None = None
-    recompute_ratio: float | None = Field(None, ge=0, le=1)
-    ignore_eos: bool = False
-    timeout: float | None = Field(None, gt=0)
-    layer: int | None = None
-
-
-class _Generation(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI fields we do not use; the ones we cannot honour are refused
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: dict | None = None
-    kvmem: KVMemOptions | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatRequest(_Generation):
-    messages: list[Message]
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-
-class CompletionRequest(_Generation):
-    prompt: str | list[str] | list[int]
-
-
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: str = "float"
-    dimensions: int | None = None
-    kvmem: KVMemOptions | None = None
-
-
-# what the OpenAI API has and kvmem does not do: refused when set to anything but the neutral value
-_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-                "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0, 0.0),
-                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "echo": (None, False),
-                "best_of": (None, 1), "suffix": (None, "")}
-
-
-def _refuse_unsupported(body: BaseModel) -> None:
-    for name, value in (body.model_extra or {}).items():
-        if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
-            raise APIError(400, f"{name}={value!r} is not supported by kvmem serve", param=name,
-                           code="unsupported_parameter")
 
 
 # -- the app -------------------------------------------------------------------------------------------------
@@ -190,7 +110,7 @@ def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, wor
             fail(404, f"the model {name!r} does not exist here; this server serves {lm.name!r}", param="model",
                  code="model_not_found")
 
-    def options(body: _Generation) -> Options:
+    def options(body: Generation) -> Options:
         k = body.kvmem or KVMemOptions()
         o = Options(**{f: getattr(k, f) if getattr(k, f, None) is not None else getattr(defaults, f)
                        for f in Options.__dataclass_fields__})
@@ -218,7 +138,7 @@ def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, wor
             fail(400, "this server has no store (start it with --store)", param="kvmem.use_store")
         return o
 
-    def sampling(body: _Generation, limit: int | None) -> Sampling:
+    def sampling(body: Generation, limit: int | None) -> Sampling:
         if body.n > max_n:
             fail(400, f"n={body.n} is more than the {max_n} choices this server computes per request", param="n")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -234,8 +154,8 @@ def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, wor
             fail(400, f"the prompt is {n} tokens; {lm.name} reads at most {lm.max_context} tokens, prompt and "
                       f"completion together", param="messages", code="context_length_exceeded")
 
-    def make_job(body: _Generation, prompt: Prompt, docs: list[list[int]], o: Options, limit: int | None) -> Job:
-        _refuse_unsupported(body)
+    def make_job(body: Generation, prompt: Prompt, docs: list[list[int]], o: Options, limit: int | None) -> Job:
+        refuse_unsupported(body)
         check_length(len(prompt.ids) + sum(map(len, docs)))
         timeout = body.kvmem.timeout if body.kvmem and body.kvmem.timeout else timeout_s
         return Job(prompt, sampling(body, limit), o, docs, timeout)
@@ -280,7 +200,7 @@ def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, wor
         metrics.requests.labels(endpoint, "499").inc()
         return Response(status_code=499)  # nobody reads it: the client has gone
 
-    async def respond(request: Request, body: _Generation, job: Job, endpoint: str, chat: bool):
+    async def respond(request: Request, body: Generation, job: Job, endpoint: str, chat: bool):
         try:
             engine.admit(job)
         except Busy as e:
