@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel, DynamicCache, T5Config
 
+from kvmem import attention
+from kvmem.attention import grouped_sdpa
 from kvmem.cache import KVCache
 from kvmem.compress import Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
@@ -76,6 +78,25 @@ def test_fingerprints_differ_and_are_stable(smollm2, gemma3):
     assert again.fingerprint == smollm2.fingerprint
     assert meta.stat().st_mtime == stamp
     assert len(json.loads(meta.read_text())["weights_sha256"]) == 64
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_question_fed_after_a_long_context_is_bit_identical_to_transformers(name, request, monkeypatch):
+    """Several tokens over a long uncompressed cache (a question after a stored context): kvmem attends grouped-query
+    heads without transformers' repeat_kv copy, and must give exactly its logits (gemma: past the 512 window)."""
+    lm = request.getfixturevalue(name)
+    ids = lm.tokenizer(open(__file__).read() * 3).input_ids[:700]
+    context, question = ids[:687], ids[687:]
+    with torch.no_grad():
+        dyn = DynamicCache(config=lm.model.config)
+        lm.model(input_ids=torch.tensor([context]), cache=dyn, use_cache=True)
+        expected = lm.model(input_ids=torch.tensor([question]), cache=dyn, use_cache=True).logits[0]
+        cache = KVCache(lm.model.config)
+        lm.model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
+        calls = []
+        monkeypatch.setattr(attention, "grouped_sdpa", lambda *a: calls.append(1) or grouped_sdpa(*a))
+        got = lm.model(input_ids=torch.tensor([question]), cache=cache, use_cache=True).logits[0]
+    assert calls and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("name,n_tokens", [("smollm2", 80), ("gemma3", 600)])  # gemma: past its 512 window

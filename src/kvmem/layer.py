@@ -94,10 +94,11 @@ class KVLayer(CacheLayerMixin):
             head["log_weights"] = w.clone()
         return out
 
-    def import_rows(self, rows: ExportedRows, next_position: int | None = None) -> None:
+    def import_rows(self, rows: ExportedRows, next_position: int | None = None, spare: int = 0) -> None:
         """Replace what this layer holds with `rows` (checked against the layer). Decoding continues at
         `next_position` (default: after the last row). Observation starts afresh. Rows exported encoded (a
-        quantized layer's `export_rows`) come back exactly as they were, into a layer of the same scheme."""
+        quantized layer's `export_rows`) come back exactly as they were, into a layer of the same scheme.
+        `spare`: free rows for tokens about to follow (`rows.store_rows`)."""
         encoded = rows.codec != "raw"
         if encoded:
             if self.quant is None:
@@ -112,9 +113,10 @@ class KVLayer(CacheLayerMixin):
             self.dtype, self.device = stored.dtype, rows.heads[0]["positions"].device
             self.is_initialized = True
         elif self.is_initialized:
-            stored = import_rows(rows, self.num_heads, self.head_keys[0].shape[-1] if self.num_heads else None, self.dtype)
+            stored = import_rows(rows, self.num_heads, self.head_keys[0].shape[-1] if self.num_heads else None, self.dtype,
+                                 spare)
         else:
-            stored = import_rows(rows)
+            stored = import_rows(rows, spare=spare)
             self.dtype, self.device = rows.heads[0]["keys"].dtype, rows.heads[0]["keys"].device
             self.is_initialized = True
         weights = [h.get("log_weights") for h in rows.heads]

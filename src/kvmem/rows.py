@@ -255,13 +255,20 @@ def empty_rows(heads: int, head_dim: int, dtype: torch.dtype, device: torch.devi
 
 
 def store_rows(keys: list[Tensor], values: list[Tensor], positions: list[Tensor], grow: int = GROW,
-               padded: bool = False) -> Rows:
+               padded: bool = False, spare: int = 0) -> Rows:
     """Exactly these rows per head: dense if every head holds as many, ragged otherwise (`padded`: in one buffer,
     for short rows); `grow` free rows are added whenever appends fill the buffers (0: every append reallocates to
-    the exact size)."""
+    the exact size). `spare`: free rows after dense rows from the start (rows about to be appended to: a question
+    after a loaded context would otherwise copy the whole buffer to grow it)."""
     n = [k.shape[0] for k in keys]
     if len(set(n)) == 1:
-        return DenseRows(torch.stack(keys), torch.stack(values), torch.stack(positions), n[0], grow)
+        if not spare:
+            return DenseRows(torch.stack(keys), torch.stack(values), torch.stack(positions), n[0], grow)
+        k, v, p = (torch.empty((len(ts), n[0] + spare, *ts[0].shape[1:]), dtype=ts[0].dtype, device=ts[0].device)
+                   for ts in (keys, values, positions))
+        for h in range(len(keys)):
+            k[h, :n[0]], v[h, :n[0]], p[h, :n[0]] = keys[h], values[h], positions[h]
+        return DenseRows(k, v, p, n[0], grow)
     if padded:
         return PaddedRows(keys, values, positions, grow)
     return RaggedRows([_own(k) for k in keys], [_own(v) for v in values], [_own(p) for p in positions], n, grow)
@@ -281,9 +288,10 @@ def _own(t: Tensor) -> Tensor:
 
 
 def import_rows(rows: ExportedRows, heads: int | None = None, head_dim: int | None = None,
-                dtype: torch.dtype | None = None) -> Rows:
+                dtype: torch.dtype | None = None, spare: int = 0) -> Rows:
     """Storage for exported rows, checked first: every head's keys, values and positions agree in length,
-    positions increase, and (when given) the head count, head_dim and dtype match the layer."""
+    positions increase, and (when given) the head count, head_dim and dtype match the layer. `spare`: see
+    `store_rows`."""
     if rows.codec != "raw":
         raise KVMemError(f"rows use codec {rows.codec!r}; this storage reads 'raw' rows")
     if heads is not None and len(rows.heads) != heads:
@@ -303,4 +311,4 @@ def import_rows(rows: ExportedRows, heads: int | None = None, head_dim: int | No
         if p.dtype != torch.int32 or (p.numel() > 1 and not bool((p[1:] > p[:-1]).all())) or (p.numel() and int(p[0]) < 0):
             raise KVMemError(f"head {h}: positions must be int32, non-negative and increasing")
     return store_rows([h["keys"] for h in rows.heads], [h["values"] for h in rows.heads],
-                      [h["positions"] for h in rows.heads])
+                      [h["positions"] for h in rows.heads], spare=spare)

@@ -22,7 +22,7 @@ import torch
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
 from kvmem.quant import QuantizedRows
-from kvmem.rows import ExportedRows
+from kvmem.rows import GROW, ExportedRows
 from kvmem.store.store import ChunkStore, Loaded, StoreWarning
 
 
@@ -85,9 +85,10 @@ def chunk_rows(cache: KVCache, start: int, end: int) -> list[ExportedRows]:
     return out
 
 
-def import_chunks(cache: KVCache, chunks: list[list[ExportedRows]], next_position: int) -> None:
+def import_chunks(cache: KVCache, chunks: list[list[ExportedRows]], next_position: int, spare: int = 0) -> None:
     """Put the rows of consecutive chunks into an empty cache; decoding continues at `next_position`. A sliding
-    layer keeps what the next token can see (positions > next_position - window), as if it had computed them."""
+    layer keeps what the next token can see (positions > next_position - window), as if it had computed them.
+    `spare`: free rows for the tokens the caller feeds next (no regrowth of the loaded rows to append them)."""
     if any(layer.is_initialized for layer in cache.layers):
         raise KVMemError("stored chunks load into an empty cache only")
     for l, layer in enumerate(cache.layers):
@@ -99,7 +100,7 @@ def import_chunks(cache: KVCache, chunks: list[list[ExportedRows]], next_positio
                 keep = (head["positions"] > next_position - layer.sliding_window).nonzero().flatten()
                 head = {f: t.index_select(0, keep) for f, t in head.items()}
             heads.append(head)
-        layer.import_rows(ExportedRows(heads), next_position)
+        layer.import_rows(ExportedRows(heads), next_position, spare)
 
 
 TAIL = "context-tail"  # the namespace of a context's last, partial chunk (valid for exactly that context)
@@ -153,7 +154,7 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
                 start, tail_key = context_end, None  # stored already
     if loaded:
         t = time.perf_counter()
-        import_chunks(cache, loaded, start)
+        import_chunks(cache, loaded, start, spare=len(ids) - start + GROW)  # the rest and the first answer tokens
         report.import_s = time.perf_counter() - t
     return compute_rest(lm, cache, ids, start, store, keys, n, report, context_end, tail_key, interrupt), report
 
