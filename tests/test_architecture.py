@@ -3,6 +3,7 @@ it back), so each layer can be read and changed on its own. The layers are in do
 
 from __future__ import annotations
 
+import copy
 from graphlib import CycleError, TopologicalSorter
 
 import grimp
@@ -32,7 +33,7 @@ def test_the_product_has_no_import_circle(graph):
 
 def test_the_circle_check_finds_a_circle(graph):
     """The check above, on the same graph with one upward import added (storage importing the server): it fails."""
-    graph = graph.copy()
+    graph = copy.deepcopy(graph)
     graph.add_import(importer="kvmem.rows", imported="kvmem.serve.scheduler", line_number=1, line_contents="import")
     product = product_modules(graph)
     with pytest.raises(CycleError):
@@ -64,6 +65,6 @@ def test_a_lower_layer_reaches_no_upper_one(graph, low, high):
 
 
 def test_the_layer_check_finds_an_upward_import(graph):
-    graph = graph.copy()
+    graph = copy.deepcopy(graph)
     graph.add_import(importer="kvmem.quant.pack", imported="kvmem.store.store", line_number=1, line_contents="import")
     assert _chain(graph, "kvmem.quant.*", "kvmem.store.*") == ("kvmem.quant.pack", "kvmem.store.store")

@@ -278,7 +278,7 @@ def test_quantization_composes_with_eviction_and_generate(tiny_llama):
     with torch.no_grad():
         assert torch.isfinite(tiny_llama(input_ids=random_ids(3, 4), cache=cache, use_cache=True).logits).all()
     generated = KVCache(tiny_llama.config, compressor=Compressor(get_method("knorm"), 0.5),
-                        quant="kivi-4:group=8:residual=8")
+                        quant=get_scheme("kivi-4:group=8:residual=8"))
     out = tiny_llama.generate(input_ids=ids, cache=generated, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == 84 and generated.tokens_held()[0] == [43, 43]  # 40 kept + 3 fed back
 

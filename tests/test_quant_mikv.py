@@ -6,13 +6,11 @@ bring the output back towards the full cache where plain eviction loses the cont
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-import kvmem
 from kvmem.cache import KVCache
+from kvmem.calibration import load_abstracts
 from kvmem.compress import METHODS, BUDGETS, Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
 from kvmem.forward import feed
@@ -223,7 +221,7 @@ def test_every_method_and_budget_keeps_high_what_it_would_keep(smollm2):
 def read_back(smollm2):
     """A ~500-token context of abstracts, a fresh continuation and a passage of the context read again; the
     full cache's next-token log-probabilities on both."""
-    text = (Path(kvmem.__file__).parent / "eval" / "data" / "abstracts.txt").read_text()[:6000]
+    text = "\n".join(load_abstracts())[:6000]
     ids = smollm2.tokenizer(text).input_ids
     ctx, parts = ids[:500], {"fresh": ids[500:564], "context": ids[100:164]}
 
