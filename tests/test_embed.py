@@ -12,7 +12,7 @@ import torch
 from kvmem.embed import (EMBEDDERS, bytes_per_vector, get_embedder, hamming_scores, int8_scales, int8_scores,
                          quantize_embeddings)
 from kvmem.errors import KVMemError
-from kvmem.eval.retrieval import load_set, metrics, ranks, run_retrieval, score
+from kvmem_bench.retrieval import load_set, metrics, ranks, run_retrieval, score
 
 LM_METHODS = ("mean", "last", "prompteol", "echo", "token-prepending", "kv-embedding")
 OPTIONS = {"kv-embedding": {"layers": range(8, 15)}}  # explicit: the ID rule's calibration takes ~90 s
@@ -198,7 +198,7 @@ def test_retrieval_end_to_end(tmp_path):
 
     from pathlib import Path
 
-    from kvmem.eval.report import update_readme
+    from kvmem_bench.report import update_readme
 
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- results: x -->\nSTALE\n<!-- /results -->\nb\n<!-- retrieval: y -->\nSTALE\n<!-- /retrieval -->\nc\n")

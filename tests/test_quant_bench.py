@@ -10,9 +10,9 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem.eval.quant import (FULL, QuantConfig, delta_ppl, from_rows, held_bytes, kv_elements, task_cells,
+from kvmem_bench.quant import (FULL, QuantConfig, delta_ppl, from_rows, held_bytes, kv_elements, task_cells,
                               token_nlls)
-from kvmem.eval.quant_report import hf_peer, ppl_rows, task_rows, update_readme, write_report
+from kvmem_bench.quant_report import hf_peer, ppl_rows, task_rows, update_readme, write_report
 from kvmem.forward import feed
 from kvmem.quant import get_scheme
 

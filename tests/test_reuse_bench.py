@@ -8,8 +8,8 @@ import json
 import pytest
 
 from kvmem.errors import KVMemError
-from kvmem.eval.reuse import ReuseConfig, run_length
-from kvmem.eval.reuse_report import update_readme, write_report
+from kvmem_bench.reuse import ReuseConfig, run_length
+from kvmem_bench.reuse_report import update_readme, write_report
 
 
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from kvmem.cli import app
 from kvmem.compress import METHODS
 from kvmem.errors import KVMemError
-from kvmem.eval.speed import DECODE_KINDS, SpeedConfig, goals, merge_runs, run_speed, speed_section
+from kvmem_bench.speed import DECODE_KINDS, SpeedConfig, goals, merge_runs, run_speed, speed_section
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Bootstrap intervals of kvmem.eval.stats: coverage, stratification, paired tests, degenerate input."""
+"""Bootstrap intervals of kvmem_bench.stats: coverage, stratification, paired tests, degenerate input."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kvmem.eval.stats import Interval, bootstrap_mean, paired_difference, significant
+from kvmem_bench.stats import Interval, bootstrap_mean, paired_difference, significant
 
 
 def test_coverage_of_a_bernoulli_mean():

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmem.eval.tasks import (ATTRIBUTES, CITIES, FIRST_NAMES, LAST_NAMES, TASKS, Sample, _corpus_words, load_abstracts,
+from kvmem_bench.tasks import (ATTRIBUTES, CITIES, FIRST_NAMES, LAST_NAMES, TASKS, Sample, _corpus_words, load_abstracts,
                               make_samples, perplexity_text, qa_candidates, score)
 
 TOKENIZER_DIR = os.path.expanduser("~/.cache/kvmem/models/smollm2-135m")

@@ -33,7 +33,7 @@ import torch
 from kvmem.cache import KVCache
 from kvmem.compress import ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem.eval.stats import bootstrap_mean
+from kvmem_bench.stats import bootstrap_mean
 from kvmem.quant import SCHEMES, get_scheme
 
 # transformers' QuantizedCache settings beside ours: its defaults, the KIVI-like axes the issue measured, fp8.
@@ -234,7 +234,7 @@ def run_ppl(lm, model: str, cfg: QuantConfig, done: set, prepared: dict, log=pri
 def run_decode(lm, model: str, cfg: QuantConfig, done: set, prepared: dict, log=print) -> None:
     from transformers import DynamicCache
 
-    from kvmem.eval.speed import context_ids
+    from kvmem_bench.speed import context_ids
     from kvmem.forward import feed
 
     schemes = runnable(lm, cfg.schemes, log)
@@ -301,9 +301,9 @@ def answer_hf(lm, cache, question: list[int], sample) -> list[int]:
 
 
 def run_tasks(lm, model: str, cfg: QuantConfig, done: set, prepared: dict, log=print) -> None:
-    from kvmem.eval.longctx import prefill_sample
-    from kvmem.eval.race import usable_swept_tasks
-    from kvmem.eval.tasks import make_samples, score
+    from kvmem_bench.longctx import prefill_sample
+    from kvmem_bench.race import usable_swept_tasks
+    from kvmem_bench.tasks import make_samples, score
     from kvmem.generate import answer_batch
 
     tasks = usable_swept_tasks(cfg.bench / "records.jsonl").get((model, cfg.task_length), [])
@@ -366,7 +366,7 @@ def _done(records: list[dict]) -> set:
 
 
 def run_quant(cfg: QuantConfig, log=print) -> Path:
-    from kvmem.eval.quant_report import write_report
+    from kvmem_bench.quant_report import write_report
     from kvmem.models import load_model
 
     cfg.validate()

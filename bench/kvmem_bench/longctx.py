@@ -43,8 +43,8 @@ from tqdm import tqdm
 from kvmem import __version__
 from kvmem.compress import METHODS, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem.eval.report import write_report
-from kvmem.eval.tasks import TASKS, make_samples, perplexity_text, score
+from kvmem_bench.report import write_report
+from kvmem_bench.tasks import TASKS, make_samples, perplexity_text, score
 from kvmem.forward import feed
 from kvmem.generate import answer_batch, nll
 from kvmem.models import LoadedModel, load_model

@@ -13,7 +13,7 @@ A prompt of `length` tokens is a document (`length` - 64 tokens) and a question.
   decoded and imported, the question prefilled; TTFT is until the first token's logits, the median of
   `repeats` runs, broken down into read / decode / import / prefill. Disk is read with the OS page cache
   dropped first where the process may (root), so it reads the device; the record says which.
-* `semantic`: semantic lookup with token verification against exact chunk reuse (`kvmem/eval/semantic.py`).
+* `semantic`: semantic lookup with token verification against exact chunk reuse (`kvmem_bench/semantic.py`).
 * `quality`: per codec, Delta-ppl (paired block bootstrap CI) of a held-out continuation fed on top of the
   decoded prefix against the raw one. `tasks` (optional): the long-context suite's samples answered from a
   prefix stored with each codec, scored as the main report scores them.
@@ -33,7 +33,7 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem.eval.quant import _append, delta_ppl, read_records, token_nlls
+from kvmem_bench.quant import _append, delta_ppl, read_records, token_nlls
 from kvmem.forward import feed
 from kvmem.reuse.prefix import TAIL, chunk_rows, prefill
 from kvmem.store import ChunkStore
@@ -57,7 +57,7 @@ class ReuseConfig:
     out: Path = Path("results/reuse")
     threads: int = 1
     parts: tuple[str, ...] = ("ttft", "tasks", "semantic")
-    semantic_pairs: int = 20  # pairs of prompts in the semantic-lookup part (kvmem/eval/semantic.py), first model only
+    semantic_pairs: int = 20  # pairs of prompts in the semantic-lookup part (kvmem_bench/semantic.py), first model only
     task_samples: int = 10  # per usable long-context task, answered from a prefix stored with each codec
     task_length: int = 2048
     bench: Path = Path("results/longctx")  # the suite whose usable tasks are used
@@ -90,7 +90,7 @@ QUESTION_ROOM = 64  # a prompt of `length` tokens: the document, then up to this
 def _document(lm, length: int) -> tuple[list[int], list[int]]:
     """A document of `length - QUESTION_ROOM` tokens of held-out text (so document and question fit `length`, e.g.
     the model's 8192) and the continuation after it (the quant benchmark's texts)."""
-    from kvmem.eval.quant import ppl_texts
+    from kvmem_bench.quant import ppl_texts
 
     n = length - QUESTION_ROOM
     ids = ppl_texts(lm.tokenizer, n + 512, 1)[0]
@@ -203,8 +203,8 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
 def run_codec_tasks(lm, model: str, cfg: ReuseConfig, log=print) -> None:
     """The long-context suite's usable tasks answered from the context's chunks stored with each codec (the
     context prefilled once; each codec encodes its chunks, and the answer loads them and prefills the rest)."""
-    from kvmem.eval.race import usable_swept_tasks
-    from kvmem.eval.tasks import make_samples, score
+    from kvmem_bench.race import usable_swept_tasks
+    from kvmem_bench.tasks import make_samples, score
     from kvmem.generate import decode
     from kvmem.prompts import build_prompt
 
@@ -241,7 +241,7 @@ def run_codec_tasks(lm, model: str, cfg: ReuseConfig, log=print) -> None:
 
 def codec_task_scores(records: list[dict]) -> dict[str, dict]:
     """Per model and codec: mean task score with its CI (stratified by task) and the paired difference to raw."""
-    from kvmem.eval.stats import bootstrap_mean, paired_difference
+    from kvmem_bench.stats import bootstrap_mean, paired_difference
 
     out: dict[str, dict] = {}
     latest = {(r["model"], r["task"], r["sample"], r["codec"]): r for r in records if r["kind"] == "task"}
@@ -279,14 +279,14 @@ def run_reuse(cfg: ReuseConfig, log=print) -> Path:
             if "tasks" in cfg.parts:
                 run_codec_tasks(lm, model, cfg, log)
             if "semantic" in cfg.parts and model == cfg.models[0] and not (cfg.out / "semantic_summary.json").exists():
-                from kvmem.eval.semantic import run_semantic
+                from kvmem_bench.semantic import run_semantic
 
                 run_semantic(lm, n=cfg.semantic_pairs, out=cfg.out, chunk_size=cfg.chunk_size,
                              threads=cfg.threads or torch.get_num_threads())
     finally:
         if server is not None:
             server.kill()
-    from kvmem.eval.reuse_report import write_report
+    from kvmem_bench.reuse_report import write_report
 
     return write_report(cfg.out)
 

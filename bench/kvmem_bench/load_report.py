@@ -1,4 +1,4 @@
-"""The load test's report (OUT/report.md, plots) from OUT/load.json (`kvmem/eval/load.py` writes it and says what is
+"""The load test's report (OUT/report.md, plots) from OUT/load.json (`kvmem_bench/load.py` writes it and says what is
 measured).
 
 Per phase, the steady state (every request after the warm-up): requests/s (ok requests over the time from the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmem.eval.readme import replace_block
+from kvmem_bench.readme import replace_block
 
 PHASE_LABELS = {"store_on": "store on", "store_off": "store off", "soak": "soak (Redis only, restarted)"}
 N_BOOT = 2000
@@ -257,7 +257,7 @@ def batching_section(phase: dict) -> list[str]:
 def replica_section(phase: dict) -> list[str]:
     """Two replicas on one Redis: per knowledge base, TTFT on A (computed, written through) and on B (another
     question, loaded from Redis); the paired ratio A / B as a geometric mean with a bootstrap CI of the mean log."""
-    from kvmem.eval.stats import bootstrap_mean
+    from kvmem_bench.stats import bootstrap_mean
 
     pairs = [p for p in phase["pairs"] if p["a"]["status"] == p["b"]["status"] == "ok"]
     lines = ["", "## Two replicas on one Redis", "",
@@ -312,7 +312,7 @@ def headline(data: dict) -> list[str]:
     if rep:
         pairs = [p for p in rep["pairs"] if p["a"]["status"] == p["b"]["status"] == "ok"]
         if pairs:
-            from kvmem.eval.stats import bootstrap_mean
+            from kvmem_bench.stats import bootstrap_mean
 
             m, lo, hi = bootstrap_mean([math.log(p["a"]["ttft_s"] / p["b"]["ttft_s"]) for p in pairs])
             out.append(f"- **two replicas on one Redis**: a knowledge base computed by replica A is loaded by replica B; "
@@ -364,7 +364,7 @@ def write_report(out: Path) -> Path:
                f"max_tokens {cfg['max_tokens']}, kvmem options `{json.dumps(cfg['kvmem_options'])}`"
                + (f" (with a store also `{json.dumps(cfg['kvmem_store_options'])}`)" if cfg.get("kvmem_store_options") else "")
                + ". Every request is in "
-               "`load.json`; what is measured and why: `kvmem/eval/load.py`.", "",
+               "`load.json`; what is measured and why: `kvmem_bench/load.py`.", "",
              "## Headline", "", *headline(data), "",
              "## Steady state per phase", "",
              "After the warm-up request; requests/s = ok requests / (last request's end - steady state's start). TTFT: "

@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 from kvmem.errors import KVMemError
-from kvmem.eval.longctx import run_clock
-from kvmem.eval.tasks import make_samples, score_output
+from kvmem_bench.longctx import run_clock
+from kvmem_bench.tasks import make_samples, score_output
 
 RUNNER = Path(__file__).with_name("kvpress_runner.py")
 # kvpress presses left out because they download weights or statistics from the Hugging Face hub.
@@ -37,7 +37,7 @@ COSTLY_FIRST = {"kvzip": 10, "observed-attention": 10}
 def usable_swept_tasks(bench_records: Path) -> dict[tuple[str, int], list[str]]:
     """(model, length) -> tasks the suite ran a sweep on whose full-cache score makes them usable
     (screened-out and flagged tasks tell nothing about compression, so the race skips them)."""
-    from kvmem.eval.report import Scores, full_cache, usable_tasks
+    from kvmem_bench.report import Scores, full_cache, usable_tasks
 
     if not bench_records.exists():
         return {}
@@ -54,7 +54,7 @@ def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengt
                  samples: int = 30, seed: int = 0, settings: tuple[str, ...] = ("agnostic",)) -> int:
     """Write the prompts of every usable swept (model, length, task) sample, once per setting, to `path`;
     returns how many lines."""
-    from kvmem.eval.report import SETTINGS
+    from kvmem_bench.report import SETTINGS
 
     if bad := set(settings) - set(SETTINGS):
         raise KVMemError(f"unknown setting {sorted(bad)[0]!r}; choose from {', '.join(SETTINGS)}")
@@ -151,7 +151,7 @@ def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race")
     model), score, and rebuild the suite's report with the race in it. `presses` limits the presses run and
     `first` the samples per task they run on; without `first`, the presses in COSTLY_FIRST run on their own first
     samples a task. Records accumulate."""
-    from kvmem.eval.report import write_report
+    from kvmem_bench.report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
     # one file per (models, lengths) asked for: runs side by side never overwrite each other's prompts, which

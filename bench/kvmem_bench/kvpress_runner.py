@@ -3,8 +3,8 @@
 This file runs only in `.venv-race` (`make race-setup`): kvpress 0.5.5 pins transformers<5.3 and kvmem
 needs 5.24, so it imports nothing from kvmem and is run by path:
 
-    .venv-race/bin/python src/kvmem/eval/kvpress_runner.py --tasks T.jsonl --out R.jsonl
-    .venv-race/bin/python src/kvmem/eval/kvpress_runner.py --tasks T.jsonl --check 2 --check-out C.json
+    .venv-race/bin/python bench/kvmem_bench/kvpress_runner.py --tasks T.jsonl --out R.jsonl
+    .venv-race/bin/python bench/kvmem_bench/kvpress_runner.py --tasks T.jsonl --check 2 --check-out C.json
 
 Input: one sample a line, {model, model_path, length, task, sample, setting, context_ids, question_ids,
 answers, max_new_tokens, eos_ids} (setting: agnostic when absent; for aware, the exporter has put the

@@ -33,7 +33,7 @@ Each phase starts with one warm-up request alone (the one that fills the store, 
 recorded with `warmup: true` and reported apart from the steady state that follows. Times in the records are
 seconds from the phase's start (just before the warm-up). Everything goes to OUT/load.json (config, the command,
 the commit, every request, the RSS samples, the metrics), written after each phase; OUT/report.md and the plots
-come from `kvmem.eval.load_report.write_report`.
+come from `kvmem_bench.load_report.write_report`.
 """
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ def redis_outage(redis, at_s: float, down_s: float, log=print) -> Callable:
 
 
 def _git_commit() -> str:
-    from kvmem.eval.longctx import git_commit
+    from kvmem_bench.longctx import git_commit
 
     return git_commit()
 
@@ -398,7 +398,7 @@ def _git_dirty() -> bool | None:
 
 def default_command(out: Path, clients: int, duration_s: float, soak_s: float, redis_down_s: float | None,
                     threads: int, model: str) -> str:
-    cmd = ["python", "-m", "kvmem.eval.load", "--out", str(out), "--model", model, "--clients", str(clients),
+    cmd = ["python", "-m", "kvmem_bench.load", "--out", str(out), "--model", model, "--clients", str(clients),
            "--duration", f"{duration_s:g}", "--soak", f"{soak_s:g}", "--threads", str(threads)]
     if redis_down_s is not None:
         cmd += ["--redis-down", f"{redis_down_s:g}"]
@@ -413,8 +413,8 @@ def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, dur
     """Run the phases (store on, store off, soak; each its own `kvmem serve`, one after another), write
     OUT/load.json after each and OUT/report.md at the end; returns the report's path. `soak_s` 0 skips the soak;
     the outage starts a third of the way into it and lasts `redis_down_s` (default min(20 s, a third of it)).
-    `command` is what the report says produced it (default: the `python -m kvmem.eval.load` equivalent)."""
-    from kvmem.eval.load_report import write_report
+    `command` is what the report says produced it (default: the `python -m kvmem_bench.load` equivalent)."""
+    from kvmem_bench.load_report import write_report
 
     out = Path(out)
     if unknown := set(phases) - set(PHASES):
@@ -567,7 +567,7 @@ def batching_phase(model: str, system: str, threads: int, repeats: int = 3, log=
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m kvmem.eval.load", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvmem_bench.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/serve"))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--clients", type=int, default=4)
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--timeout", type=float, default=120)
     p.add_argument("--phases", default=",".join(PHASES))
     args = p.parse_args(argv)
-    command = shlex.join(["python", "-m", "kvmem.eval.load", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "kvmem_bench.load", *(sys.argv[1:] if argv is None else argv)])
     report = run_load_suite(args.out, args.model, args.clients, args.duration, args.soak, args.redis_down, args.max_tokens,
                             args.system_tokens, args.threads, args.workers, args.queue, args.timeout,
                             phases=tuple(s.strip() for s in args.phases.split(",") if s.strip()), command=command)

@@ -1,7 +1,7 @@
 """The continuous-batching benchmark (`make bench-batching`): what batching turns freed KV memory into.
 
 Phases, each its own server on loopback, one after another (never side by side: on 2 cores they would time each
-other), every request a streaming chat completion (the openai client; `kvmem.eval.load.one_request`) at temperature 0
+other), every request a streaming chat completion (the openai client; `kvmem_bench.load.one_request`) at temperature 0
 with `ignore_eos`, so every request decodes exactly `max_tokens`:
 
 * `sweep`: closed-loop clients (each sends its next request when the last ends) at each concurrency for
@@ -22,7 +22,7 @@ with `ignore_eos`, so every request decodes exactly `max_tokens`:
   against full precision, and evicted to heads of different lengths, read by the kernel or by SDPA head by head.
 
 The server's /metrics are sampled every 0.25 s (rows in the batch, KV bytes held, preemptions). Everything goes to
-OUT/batching.json, written after each phase; `kvmem.eval.batching_report` makes OUT/report.md and the plots.
+OUT/batching.json, written after each phase; `kvmem_bench.batching_report` makes OUT/report.md and the plots.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvmem.errors import KVMemError
-from kvmem.eval.load import (_get, _git_commit, _git_dirty, _now, knowledge_base, load_tokenizer, one_request,
+from kvmem_bench.load import (_get, _git_commit, _git_dirty, _now, knowledge_base, load_tokenizer, one_request,
                              parse_prometheus, question, question_list)
 
 SERVERS = ("kvmem-single", "kvmem-batching", "transformers")
@@ -243,7 +243,7 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
                        memory_budget: str = "256MiB", memory_clients: int = 16, memory_duration_s: float = 180, memory_rounds: int = 3,
                        memory_configs: tuple[str, ...] = tuple(MEMORY_CONFIGS), phases: tuple[str, ...] = ("sweep", "memory", "steps"),
                        command: str | None = None, log=print) -> Path:
-    from kvmem.eval.batching_report import write_report
+    from kvmem_bench.batching_report import write_report
 
     if unknown := set(servers) - set(SERVERS):
         raise KVMemError(f"unknown server(s) {sorted(unknown)}; choose from {', '.join(SERVERS)}")

@@ -10,9 +10,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvmem.errors import KVMemError
-from kvmem.eval.quant import FULL, HF_BASELINES, TEN_X, delta_ppl, read_records
-from kvmem.eval.readme import replace_block
-from kvmem.eval.stats import Interval, bootstrap_mean, paired_difference
+from kvmem_bench.quant import FULL, HF_BASELINES, TEN_X, delta_ppl, read_records
+from kvmem_bench.readme import replace_block
+from kvmem_bench.stats import Interval, bootstrap_mean, paired_difference
 
 COMMAND = "make bench-quant"
 PAIRED_MIN = 10  # no paired verdict from fewer common samples (as the long-context report)

@@ -7,7 +7,7 @@ sample x setting x method x keep ratio), so every number carries its sample coun
 * A task counts for a model and length when its full-cache score is >= FULL_CACHE_MIN; the rest are
   flagged and left out of every average.
 * A headline cell is the mean over the usable tasks (each task weighs the same) with a stratified
-  bootstrap CI (`kvmem.eval.stats`).
+  bootstrap CI (`kvmem_bench.stats`).
 * "A beats B" is only said from a paired comparison on the same samples whose interval excludes 0. In
   each column the best method is bold; a cell marked ▼ is significantly below it; unmarked cells are
   not distinguishable from the best at this sample size.
@@ -31,7 +31,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvmem.eval.stats import Interval, bootstrap_mean, paired_difference  # noqa: E402
+from kvmem_bench.stats import Interval, bootstrap_mean, paired_difference  # noqa: E402
 
 FULL_CACHE_MIN = 0.8  # a task whose full-cache score is below this measures nothing about compression
 RACE_MIN_SAMPLES = 30  # fewer answers than this (a press run on a subset so far) cannot be a race's best
@@ -660,7 +660,7 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
                         {(model, m) for model in {task[0] for task in samples} - windowed
                          for m in {r["method"] for r in records if ":sliding=" in r["method"]}})
     if press_records:
-        from kvmem.eval.race import COSTLY_FIRST  # how `make race` runs the costly presses
+        from kvmem_bench.race import COSTLY_FIRST  # how `make race` runs the costly presses
 
         errors = json.loads((race_dir / "errors.json").read_text()) if (race_dir / "errors.json").exists() else {}
         failing = {(model, name.split(" @ keep ")[0]) for model, presses in errors.get("not_runnable", {}).items()
@@ -721,7 +721,7 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
         lines += [f"![score vs KV bytes held]({pareto.name})", ""]
     lines += ["## Targets of the query-agnostic methods (issue 8)", "", *target_lines(rows, press_rows, kvmem, press, usable, quant)]
     if (speed_dir / "results.json").exists():
-        from kvmem.eval.speed import speed_section
+        from kvmem_bench.speed import speed_section
 
         lines += [*speed_section(json.loads((speed_dir / "results.json").read_text())["rows"])]
     lines += ["## Per-task scores (95% CI)", ""]
@@ -776,7 +776,7 @@ def update_readme(results: Path = Path("results/longctx"), readme: Path = Path("
     if new == text and block not in text:
         raise ValueError(f"{readme} has no results block to update")
     if retrieval.exists():
-        from kvmem.eval.retrieval import headline as retrieval_headline
+        from kvmem_bench.retrieval import headline as retrieval_headline
 
         block = "\n".join([
             "<!-- retrieval: regenerated from results/retrieval/results.json (see results/retrieval/report.md) -->",

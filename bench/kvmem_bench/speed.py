@@ -44,7 +44,7 @@ import torch
 from kvmem.cache import KVCache, storage_bytes
 from kvmem.compress import METHODS, Compressor, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem.eval.stats import bootstrap_mean
+from kvmem_bench.stats import bootstrap_mean
 
 KEEP_RATIO = 0.25
 COMPRESS_GOAL = 0.05  # compression may add at most this fraction of the (untracked) prefill time
@@ -211,7 +211,7 @@ def run_memory(cfg: SpeedConfig, log=print) -> list[dict]:
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvmem.eval.speed", "kvmem.generate", "kvmem.models"])
+    ctx.set_forkserver_preload(["kvmem_bench.speed", "kvmem.generate", "kvmem.models"])
     jobs = [(m, L, k, cfg.threads, cfg.memory_decode, cfg.room) for m in cfg.models for L in cfg.lengths
             for k in DECODE_KINDS]
     rows = []
@@ -331,7 +331,7 @@ def time_model_length(lm, model: str, length: int, cfg: SpeedConfig, log=print) 
 # -- the run -------------------------------------------------------------------------------------------
 def run_speed(cfg: SpeedConfig, progress: bool = True) -> Path:
     """Memory probes, then timings per model; writes OUT/results.json, report.md and decode_ms.png."""
-    from kvmem.eval.longctx import git_commit
+    from kvmem_bench.longctx import git_commit
     from kvmem.models import load_model
 
     cfg.validate()

@@ -2,7 +2,7 @@
 
 A sample is `docs_per_sample` real paper abstracts (`data/abstracts.txt`, 120-200 words each, about 1.2k
 tokens in all), each a separately precomputed chunk, with facts about invented people inserted at a random
-sentence boundary (names, cities and years from `kvmem.eval.tasks`, none of which occurs in the abstracts).
+sentence boundary (names, cities and years from `kvmem_bench.tasks`, none of which occurs in the abstracts).
 Two kinds of question:
 
 * `cross-doc`: a statement runs over a chunk boundary, as when a passage is split into chunks: chunk A ends with
@@ -36,8 +36,8 @@ import torch
 from kvmem import __version__
 from kvmem.errors import KVMemError
 from kvmem.calibration import load_abstracts
-from kvmem.eval.stats import bootstrap_mean, paired_difference
-from kvmem.eval.tasks import (ADJECTIVES, ATTRIBUTES, NOUNS, _distinct, _person, _sentences,
+from kvmem_bench.stats import bootstrap_mean, paired_difference
+from kvmem_bench.tasks import (ADJECTIVES, ATTRIBUTES, NOUNS, _distinct, _person, _sentences,
                               score_output)
 from kvmem.models import LoadedModel, load_model
 from kvmem.prompts import _template_parts
@@ -150,7 +150,7 @@ def run_rag(models: Sequence[str] = ("smollm2-135m",),
             seed: int = 0, kinds: Sequence[str] = KINDS, docs_per_sample: int = 5, progress: bool = True) -> Path:
     """Run what `out/records.jsonl` lacks (`samples` per question kind), then write the summary, report and plot.
     `recompute_ratio` may be a list (a sweep of cacheblend and infoflow). Returns `out`."""
-    from kvmem.eval.longctx import git_commit
+    from kvmem_bench.longctx import git_commit
 
     ratios = [float(r) for r in ([recompute_ratio] if isinstance(recompute_ratio, (int, float)) else recompute_ratio)]
     bad = [m for m in methods if m not in RAG_METHODS]
@@ -239,7 +239,7 @@ def write_summary(out: Path) -> None:
     commits = sorted({r.get("commit", "unknown") for r in records})
     lines = ["# RAG chunk reuse (non-prefix): multi-document QA", "",
              "Each document's KV precomputed on its own after the template head, assembled at new positions "
-             "(keys moved), then answered (see `src/kvmem/eval/rag.py`, `src/kvmem/reuse/blend.py`). Score: the "
+             "(keys moved), then answered (see `bench/kvmem_bench/rag.py`, `src/kvmem/reuse/blend.py`). Score: the "
              "expected string is in the greedy answer; mean with its 95 % bootstrap CI (`all`: kinds weigh the "
              "same, stratified). Differences are paired on the same samples; * marks a CI that excludes 0. "
              "Compute: token-layers of documents + question computed, as a fraction of a full prefill "

@@ -8,8 +8,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvmem.eval.quant import read_records
-from kvmem.eval.readme import replace_block
+from kvmem_bench.quant import read_records
+from kvmem_bench.readme import replace_block
 
 COMMAND = "make bench-reuse"
 SPEEDUP_GOAL = 20.0  # at 8k, from memory or disk
@@ -26,7 +26,7 @@ def _latest(records: list[dict], kind: str, *fields: str) -> dict[tuple, dict]:
 
 
 def summarize(records: list[dict]) -> dict:
-    from kvmem.eval.reuse import codec_quality, codec_task_scores
+    from kvmem_bench.reuse import codec_quality, codec_task_scores
 
     cold = _latest(records, "cold", "model", "length")
     warm = _latest(records, "warm", "model", "length", "tier", "codec")
@@ -77,7 +77,7 @@ def write_report(out: Path) -> Path:
     if summary["warm"]:
         _plot(summary, out)
     lines = ["# Reuse: time to first token from stored KV", "",
-             f"Reproduce: `{COMMAND}` (records in `records.jsonl`; see `kvmem/eval/reuse.py` for what is timed).", ""]
+             f"Reproduce: `{COMMAND}` (records in `records.jsonl`; see `kvmem_bench/reuse.py` for what is timed).", ""]
     warm = {(r["model"], r["length"], r["tier"], r["codec"]): r for r in summary["warm"]}
     tiers = sorted({k[2] for k in warm}, key=["memory", "disk", "redis"].index)
     codecs = list(dict.fromkeys(k[3] for k in warm))

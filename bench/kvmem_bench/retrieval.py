@@ -316,7 +316,7 @@ def report(rows: list[dict], data: dict[str, RetrievalSet], out: Path | None = N
         return _best_layer(f32, set_name, model, method)
 
     lines = ["# kvmem retrieval benchmark", "", "Regenerate (`make bench` runs these; they may run in parallel):", "",
-             "```", *BENCH_COMMANDS, "```", "", "The sets are described in `kvmem/eval/retrieval.py`.", "",
+             "```", *BENCH_COMMANDS, "```", "", "The sets are described in `kvmem_bench/retrieval.py`.", "",
              "- **last**: nDCG@10 at the last layer (the output of the final norm).",
              "- **chosen layer**: the layer with the best nDCG@10 on the *other* set, scored here, with R@1, R@10, "
              "MRR@10, z-scored nDCG@10 (per-dimension standardisation fitted on the documents), int8 and binary "
