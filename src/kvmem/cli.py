@@ -285,6 +285,8 @@ def _load_plugins() -> None:
         plugin.load()(app)
 
 
+if __name__ == "__main__":  # `python -m kvmem.cli` (how the tests start servers): plugins import this module, not a copy
+    sys.modules.setdefault("kvmem.cli", sys.modules["__main__"])
 _load_plugins()  # after every name a plugin may import from here is defined
 
 if __name__ == "__main__":
