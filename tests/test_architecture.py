@@ -83,3 +83,39 @@ def test_the_layer_check_finds_an_upward_import(graph):
     graph = copy.deepcopy(graph)
     graph.add_import(importer="kvmem.quant.pack", imported="kvmem.store.store", line_number=1, line_contents="import")
     assert _chain(graph, "kvmem.quant.*", "kvmem.store.*") == ("kvmem.quant.pack", "kvmem.store.store")
+
+
+# -- the benchmark package: one folder per benchmark (runner -> report), one README helper on top ---------------------
+@pytest.fixture(scope="module")
+def bench_graph():
+    return grimp.build_graph(BENCHMARK, exclude_type_checking_imports=True)
+
+
+def test_the_benchmark_has_no_import_circle(bench_graph):
+    modules = bench_graph.modules
+    order = TopologicalSorter({m: bench_graph.find_modules_directly_imported_by(m) & modules for m in modules})
+    try:
+        order.prepare()
+    except CycleError as e:
+        pytest.fail("import circle: " + " -> ".join(e.args[1]))
+
+
+def test_reports_read_results_and_never_run_a_benchmark(bench_graph):
+    """A report is rebuilt from records alone (`python -m kvmem_bench.readme` on any checkout), so no report module
+    reaches a runner; and only the CLI and the tests reach the README helper's list of reports."""
+    reports = sorted(m for m in bench_graph.modules if m.endswith(".report"))
+    runners = sorted(m for m in bench_graph.modules if m.endswith(".runner"))
+    assert len(reports) >= 6 and len(runners) >= 8
+    chains = [bench_graph.find_shortest_chain(importer=a, imported=b) for a in reports for b in runners]
+    assert not any(chains), [" -> ".join(c) for c in chains if c]
+    assert not bench_graph.find_modules_that_directly_import(f"{BENCHMARK}.readme")
+
+
+def test_the_benchmark_checks_find_a_circle_and_a_report_running_a_benchmark(bench_graph):
+    graph = copy.deepcopy(bench_graph)
+    graph.add_import(importer=f"{BENCHMARK}.longctx.scores", imported=f"{BENCHMARK}.longctx.runner", line_number=1,
+                     line_contents="import")  # the runner writes its report, which reads the scores: a circle now
+    modules = graph.modules
+    with pytest.raises(CycleError):
+        TopologicalSorter({m: graph.find_modules_directly_imported_by(m) & modules for m in modules}).prepare()
+    assert graph.find_shortest_chain(importer=f"{BENCHMARK}.longctx.report", imported=f"{BENCHMARK}.longctx.runner")

@@ -1,4 +1,4 @@
-"""The continuous-batching benchmark's arithmetic (`kvmem_bench.batching_report`) on runs made up here."""
+"""The continuous-batching benchmark's arithmetic (`kvmem_bench.batching.report`) on runs made up here."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvmem_bench.batching_report import (memory_targets, score_verdict, suite_score, summary, sweep_targets, throughput, throughput_ratio,
+from kvmem_bench.batching.report import (memory_targets, score_verdict, suite_score, summary, sweep_targets, throughput, throughput_ratio,
                                         window_tokens, write_report)
 
 
@@ -49,7 +49,7 @@ def test_targets_need_the_ci_clear_of_the_goal():
 def test_segments_run_in_rounds_are_joined_windowed_and_paired():
     """The memory phase's runs: segments joined one after another, two windows a segment, nothing counted past a
     segment's end, and ratios that resample rounds together, so a machine that drifts between rounds moves both."""
-    from kvmem_bench.batching import joined_segments
+    from kvmem_bench.batching.runner import joined_segments
 
     speeds = [10.0, 20.0, 10.0]  # the machine's speed in each round: the same 2x in every round
     full = joined_segments([run("kvmem-batching", 8.0 * v, duration=60) for v in speeds], 60)

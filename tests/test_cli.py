@@ -7,7 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvmem.cli import app
+from kvmem.cli import load_plugins
+
+app = load_plugins()  # demo, eval and race come from the benchmark package
 
 runner = CliRunner()
 

@@ -12,7 +12,8 @@ import torch
 from kvmem.embed import (EMBEDDERS, bytes_per_vector, get_embedder, hamming_scores, int8_scales, int8_scores,
                          quantize_embeddings)
 from kvmem.errors import KVMemError
-from kvmem_bench.retrieval import load_set, metrics, ranks, run_retrieval, score
+from kvmem_bench.retrieval.runner import metrics, ranks, run_retrieval, score
+from kvmem_bench.retrieval.sets import load_set
 
 LM_METHODS = ("mean", "last", "prompteol", "echo", "token-prepending", "kv-embedding")
 OPTIONS = {"kv-embedding": {"layers": range(8, 15)}}  # explicit: the ID rule's calibration takes ~90 s
@@ -175,10 +176,11 @@ def test_metrics_on_hand_made_rankings():
 
 
 def test_retrieval_end_to_end(tmp_path):
-    rows = run_retrieval(["smollm2-135m"], ["mean", "tfidf"], ["abstracts", "questions"], tmp_path,
+    out = tmp_path / "retrieval"  # results/retrieval, as the README block reads it
+    rows = run_retrieval(["smollm2-135m"], ["mean", "tfidf"], ["abstracts", "questions"], out,
                          layers=[10, -1], limit=12)
     assert len(rows) == 2 * (2 + 1) * 3  # sets x (mean at 2 layers + tfidf) x precisions
-    saved = json.loads((tmp_path / "results.json").read_text())
+    saved = json.loads((out / "results.json").read_text())
     assert saved == rows
     assert {r["layer"] for r in rows if r["method"] == "mean"} == {10, 30}
     for r in rows:
@@ -188,21 +190,19 @@ def test_retrieval_end_to_end(tmp_path):
     assert tfidf["recall@1"] >= 0.5  # openings share words with the rest of their abstract
     sizes = {r["precision"]: r["bytes_per_vector"] for r in rows if r["method"] == "mean"}
     assert sizes == {"float32": 576 * 4, "int8": 576, "binary": 72}
-    report = (tmp_path / "report.md").read_text()
-    assert "## abstracts" in report and "## questions" in report and (tmp_path / "ndcg_by_layer.png").exists()
+    report = (out / "report.md").read_text()
+    assert "## abstracts" in report and "## questions" in report and (out / "ndcg_by_layer.png").exists()
     f32 = {(r["set"], r["layer"]): r["ndcg@10"] for r in rows if r["method"] == "mean" and r["precision"] == "float32"}
     chosen = max((f32[("questions", layer)], layer) for layer in (10, 30))[1]  # the questions set picks for abstracts
     assert f"| smollm2-135m | mean | {f32[('abstracts', 30)]:.3f} | {chosen} | {f32[('abstracts', chosen)]:.3f} |" in report
-    again = run_retrieval(["smollm2-135m"], ["mean", "tfidf"], ["abstracts"], tmp_path, layers=[10, -1], limit=12)
+    again = run_retrieval(["smollm2-135m"], ["mean", "tfidf"], ["abstracts"], out, layers=[10, -1], limit=12)
     assert again == rows  # everything was in records.jsonl: nothing recomputed, nothing lost
 
-    from pathlib import Path
-
-    from kvmem_bench.report import update_readme
+    from kvmem_bench.readme import update_readme
 
     readme = tmp_path / "README.md"
-    readme.write_text("a\n<!-- results: x -->\nSTALE\n<!-- /results -->\nb\n<!-- retrieval: y -->\nSTALE\n<!-- /retrieval -->\nc\n")
-    update_readme(Path(__file__).parents[1] / "results/longctx", readme, tmp_path / "results.json")
+    readme.write_text("a\n<!-- results: x -->\nKEPT\n<!-- /results -->\nb\n<!-- retrieval: y -->\nSTALE\n<!-- /retrieval -->\nc\n")
+    assert update_readme("retrieval", readme=readme, results=tmp_path) == ["retrieval"]
     text = readme.read_text()
-    assert "STALE" not in text and text.startswith("a\n") and text.endswith("c\n")
+    assert "STALE" not in text and "KEPT" in text and text.startswith("a\n") and text.endswith("c\n")
     assert f"| mean | {f32[('abstracts', chosen)]:.3f} (layer {chosen}) |" in text

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvmem_bench.load_report import bootstrap_median, phase_summary, restart_refill, rss_growth, soak_intervals, write_report
+from kvmem_bench.serve.report import phase_summary, restart_refill, rss_growth, soak_intervals, write_report
+from kvmem_bench.stats import bootstrap_median
 
-COMMAND = "python -m kvmem_bench.load --out results/serve --clients 2 --duration 20 --soak 40"
+COMMAND = "python -m kvmem_bench.serve.runner --out results/serve --clients 2 --duration 20 --soak 40"
 
 
 def _req(t0: float, t1: float, ttft: float | None, cached: int | None = 0, status: str = "ok", warmup: bool = False,

@@ -10,9 +10,12 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem_bench.quant import (FULL, QuantConfig, delta_ppl, from_rows, held_bytes, kv_elements, task_cells,
-                              token_nlls)
-from kvmem_bench.quant_report import hf_peer, ppl_rows, task_rows, update_readme, write_report
+from kvmem_bench.perplexity import delta_ppl, token_nlls
+from kvmem_bench.quant import FULL
+from kvmem_bench.quant.caches import from_rows, held_bytes, kv_elements
+from kvmem_bench.quant.report import hf_peer, ppl_rows, task_rows, write_report
+from kvmem_bench.quant.runner import QuantConfig, task_cells
+from kvmem_bench.readme import update_readme
 from kvmem.forward import feed
 from kvmem.quant import get_scheme
 
@@ -79,6 +82,8 @@ def test_hf_peer_is_the_same_bits():
 
 
 def test_report_from_records(tmp_path):
+    out = tmp_path / "quant"  # results/quant, as the README block reads it
+    out.mkdir()
     import json
 
     nll = [2.0] * 63
@@ -95,19 +100,19 @@ def test_report_from_records(tmp_path):
                                                       ("kivi-2", "full", 1.0, "kivi-2", 1.0, 300)):
             recs.append(dict(part="tasks", model="m2", length=64, task="t", sample=i, cell=cell, method=method,
                              keep_ratio=ratio, scheme=scheme, score=score, output="", kv_bytes=b, kv_bytes_full=1000))
-    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    summary = write_report(tmp_path)
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = write_report(out)
     row = next(r for r in summary["ppl"] if r["scheme"] == "kivi-2")
     assert row["delta_pct"][0] == pytest.approx(100 * (math.exp(0.02) - 1)) and row["factor"] == 10.0
     tasks = {r["cell"]: r for r in task_rows(recs) if r["model"] == "m"}
     assert tasks["kivi-2"]["vs_full"][2] < 0  # 0.5 below the full cache, significant on 12 samples
-    report = (tmp_path / "report.md").read_text()
+    report = (out / "report.md").read_text()
     assert "keydiff@0.25 + kivi-2 ★" in report and "| kivi-2 | 12 |" in report and "kivi-2 ★" not in report.replace(
         "keydiff@0.25 + kivi-2 ★", "")
-    assert (tmp_path / "frontier.png").exists() and ppl_rows(recs)[0]["scheme"] == FULL
+    assert (out / "frontier.png").exists() and ppl_rows(recs)[0]["scheme"] == FULL
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- quant: old -->\nstale\n<!-- /quant -->\nafter\n")
-    update_readme(tmp_path, readme)
+    update_readme("quant", readme=readme, results=tmp_path)
     text = readme.read_text()
     assert "stale" not in text and "## Targets" not in text
     assert text.startswith("intro\n<!-- quant: regenerated") and text.endswith("<!-- /quant -->\nafter\n")

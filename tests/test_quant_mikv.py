@@ -124,7 +124,7 @@ def test_bytes_are_both_stores_codes_and_scales(tiny_llama):
 def test_rows_quantized_after_a_full_precision_prefill_are_balanced_and_demote_alike(tiny_llama):
     ids = random_ids(80, 10)
     early = prefill(tiny_llama, ids, observe_window=32, quant=TINY)
-    late = prefill(tiny_llama, ids, observe_window=32).quantize(get_scheme(TINY))  # as kvmem_bench.quant builds its cells
+    late = prefill(tiny_llama, ids, observe_window=32).quantize(get_scheme(TINY))  # as kvmem_bench.quant.runner builds its cells
     assert late.kv_bytes() == early.kv_bytes()  # encoded at once, at 8 bits
     for layer in late.layers:  # balanced by the queries the layer observed
         assert not torch.equal(layer.rows.balancer, torch.ones_like(layer.rows.balancer))

@@ -8,7 +8,9 @@ import random
 
 import pytest
 
-from kvmem_bench.report import MEAN, Scores, full_cache, summary_rows, update_readme, usable_tasks, write_report
+from kvmem_bench.longctx.report import write_report
+from kvmem_bench.longctx.scores import MEAN, Scores, full_cache, summary_rows, usable_tasks
+from kvmem_bench.readme import update_readme
 
 
 def records(library_scores: dict[str, dict[float, float]], n: int = 30, seed: int = 0, tasks=("easy", "hard"),
@@ -68,7 +70,7 @@ def test_report_marks_significance_and_races(tmp_path):
 
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- results: x -->\nSTALE\n<!-- /results -->\nb\n")
-    update_readme(out, readme, tmp_path / "none.json", race)
+    update_readme("longctx", readme=readme, results=tmp_path)
     text = readme.read_text()
     assert "STALE" not in text and "**m @ 1024 tokens** — 1 usable tasks (easy)" in text and text.endswith("b\n")
     assert "The race against kvpress" in text and "snapkv: 0.37 [0.20, 0.53] n=30" in text and "Fidelity" not in text
@@ -80,12 +82,12 @@ def test_report_marks_significance_and_races(tmp_path):
     report = (out / "report.md").read_text()
     aware = report[report.index("### Aware setting"):]
     assert "| m @ 1024 | 0.5 | good: 0.80" in aware and "Fidelity: the methods both libraries have (aware;" in aware
-    update_readme(out, readme, tmp_path / "none.json", race)
+    update_readme("longctx", readme=readme, results=tmp_path)
     assert "**The race against kvpress** (aware;" in readme.read_text()
 
 
 def test_race_runs_only_the_usable_swept_tasks(tmp_path):
-    from kvmem_bench.race import usable_swept_tasks
+    from kvmem_bench.longctx.race import usable_swept_tasks
 
     rows = records(METHODS)  # "easy" is usable, "hard" is swept but flagged
     rows += [dict(r, task="screened") for r in rows if r["task"] == "easy" and r["method"] == "full"]  # full cache only
@@ -111,7 +113,7 @@ def test_race_export_puts_the_question_into_the_aware_context(tmp_path):
     import pytest
 
     from kvmem.errors import KVMemError
-    from kvmem_bench.race import export_tasks
+    from kvmem_bench.longctx.race import export_tasks
 
     recs = [dict(r, model="smollm2-135m", length=300, task="fact-single") for r in records(METHODS, tasks=("easy",))]
     (tmp_path / "records.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
@@ -129,7 +131,7 @@ def test_race_export_puts_the_question_into_the_aware_context(tmp_path):
 def test_race_runs_the_costly_presses_on_their_first_samples(tmp_path, monkeypatch):
     """`make race` names every press once: the cheap ones run on every sample, KVzip and observed-attention
     on their first COSTLY_FIRST samples a task (the subset the report prices them on); `--first` overrides."""
-    from kvmem_bench import race as race_mod
+    from kvmem_bench.longctx import race as race_mod
 
     def export(bench, path, *args, **kwargs):
         path.write_text("".join(json.dumps(dict(model="m", sample=i)) + "\n" for i in range(12)))
@@ -139,7 +141,7 @@ def test_race_runs_the_costly_presses_on_their_first_samples(tmp_path, monkeypat
     monkeypatch.setattr(race_mod, "run_kvpress", lambda tasks, out, venv, threads, extra: calls.append(
         (extra[1], sorted({json.loads(line)["sample"] for line in tasks.read_text().splitlines()}))))
     monkeypatch.setattr(race_mod, "score_raw", lambda out: 0)
-    monkeypatch.setattr("kvmem_bench.report.write_report", lambda bench, out: None)
+    monkeypatch.setattr(race_mod, "write_report", lambda bench, out: None)
     race_mod.race(tmp_path, tmp_path / "race", presses=["snapkv", "kvzip", "knorm", "observed-attention"])
     first = race_mod.COSTLY_FIRST
     assert calls == [("snapkv,knorm", list(range(12))), ("kvzip", list(range(min(12, first["kvzip"])))),
@@ -152,7 +154,7 @@ def test_race_runs_the_costly_presses_on_their_first_samples(tmp_path, monkeypat
 def test_no_significance_from_a_handful_of_samples():
     """Six samples where one method always answers and the other never would give a zero-width bootstrap
     interval; below PAIRED_MIN_SAMPLES the report claims no difference at all."""
-    from kvmem_bench.report import PAIRED_MIN_SAMPLES, paired
+    from kvmem_bench.longctx.scores import PAIRED_MIN_SAMPLES, paired
 
     a = {("t", i): {"score": 1.0} for i in range(PAIRED_MIN_SAMPLES - 1)}
     b = {k: {"score": 0.0} for k in a}
@@ -169,7 +171,7 @@ def test_a_run_stopped_by_sigterm_still_records_its_wall_clock(tmp_path):
     import time
 
     runs = tmp_path / "runs.jsonl"
-    code = ("import sys, time; from pathlib import Path; from kvmem_bench.longctx import run_clock\n"
+    code = ("import sys, time; from pathlib import Path; from kvmem_bench.longctx.runner import run_clock\n"
             f"with run_clock(Path({str(runs)!r}), models=['m']):\n"
             "    print('in', flush=True); time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -185,7 +187,7 @@ def test_race_scores_a_raw_answer_from_its_own_expected_answers(tmp_path):
     """The exported prompts are gitignored; a raw kvpress answer that carries its answers is scored without them,
     and one that carries none and has no export is refused, never scored against nothing."""
     from kvmem.errors import KVMemError
-    from kvmem_bench.race import score_raw
+    from kvmem_bench.longctx.race import score_raw
 
     raw = dict(library="kvpress", model="m", length=1024, task="t", sample=0, setting="agnostic", method="snapkv",
                keep_ratio=0.5, answers=["1982"], output=" 1982", error=None)
@@ -203,7 +205,7 @@ def test_race_scores_a_raw_answer_from_its_own_expected_answers(tmp_path):
 
 
 def test_cost_counts_the_headline_tasks_against_the_wall_clock_goal():
-    from kvmem_bench.report import WALL_GOAL_H, cost_lines, projected
+    from kvmem_bench.longctx.cost import WALL_GOAL_H, cost_lines, projected
     rows = records(METHODS, n=10)
     for r in rows:
         r["prefill_s"] = WALL_GOAL_H * 3600 / 10  # 10 headline samples: half the goal on 2 cores
@@ -246,7 +248,7 @@ def test_cost_counts_the_headline_tasks_against_the_wall_clock_goal():
 
 
 def test_spent_counts_each_prefill_and_a_shared_press_once():
-    from kvmem_bench.report import spent
+    from kvmem_bench.longctx.cost import spent
     row = dict(model="m", length=1024, task="t", sample=0, answer_s=1.0)
     kvmem = [dict(row, setting=s, method="kvzip", keep_ratio=k, prefill_s=10.0, compress_s=c, batch=2)
              for s in ("agnostic", "aware") for k, c in ((0.5, 30.0), (0.25, 0.0))]  # one prefill, settings share it
@@ -261,14 +263,14 @@ def test_spent_counts_each_prefill_and_a_shared_press_once():
     assert prefill == 10 + 12  # each setting prefilled apart
     assert per_method["kvzip"] == 2 * 40.0 + 4 * 1.0  # the replay once per setting, not once per ratio
     assert per_method["observed-attention"] == 110 + 112 + 2 * 1.0 + 4 * 1.0  # its eager prefills are its own cost
-    from kvmem_bench.report import projected
+    from kvmem_bench.longctx.cost import projected
     assert projected(kvpress, {("m", 1024, "t"): 3})[0] == 3 * (10 + 12)  # a sample costs both settings' prefills
     rerun = kvmem + [dict(r, prefill_s=20.0, method="snapkv", compress_s=0.0) for r in kvmem]
     assert spent(rerun)[0] == 30.0 and spent(rerun, fresh=True)[0] == 15.0  # spent vs one fresh prefill (median)
 
 
 def test_targets_judge_the_agnostic_share_and_the_race_with_bytes():
-    from kvmem_bench.report import target_lines
+    from kvmem_bench.longctx.race_tables import target_lines
 
     kvmem = Scores(records(METHODS))  # good at 0.25 draws 0.70 against the full cache's 0.93: 75 %, below 90 %
     usable = usable_tasks(full_cache(kvmem))
@@ -302,7 +304,7 @@ def test_targets_judge_the_agnostic_share_and_the_race_with_bytes():
 
 
 def test_prefill_lines_compare_one_prefill_of_each_library():
-    from kvmem_bench.report import prefill_lines
+    from kvmem_bench.longctx.cost import prefill_lines
     row = dict(model="m", length=1024, task="t", setting="agnostic", keep_ratio=0.5)
     press = [dict(row, sample=i, method="full", prefill_s=10.0 + i) for i in range(3)]
     press += [dict(row, sample=0, method="observed-attention", keep_ratio=k, prefill_s=30.0) for k in (0.5, 0.25)]
@@ -314,7 +316,7 @@ def test_prefill_lines_compare_one_prefill_of_each_library():
 
 
 def test_prefill_lines_add_the_quiet_machine_timing_per_arm():
-    from kvmem_bench.report import prefill_lines
+    from kvmem_bench.longctx.cost import prefill_lines
     row = dict(model="m", length=1024, task="t", setting="agnostic", keep_ratio=1.0, method="full", sample=0)
     quiet = [dict(model="m", length=1024, sample=i, library=lib, arm=arm, seconds=s)
              for i in range(2) for lib, arm, s in (("kvpress", "transformers 5.2 sdpa", 20.0 + i),

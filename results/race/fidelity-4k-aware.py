@@ -5,8 +5,8 @@ question is kept on top of the budget); `open`: kvpress's (the question is compr
 over both); `matched`: the question kept, inside kvpress's budget."""
 import json, torch
 from kvmem.models import load_model
-from kvmem.eval.tasks import make_samples, score
-from kvmem.eval.longctx import prefill_sample
+from kvmem_bench.longctx.tasks import make_samples, score
+from kvmem_bench.longctx.runner import prefill_sample
 from kvmem.compress import compress, get_method, ModelContext
 from kvmem.generate import answer_batch
 torch.set_num_threads(1)

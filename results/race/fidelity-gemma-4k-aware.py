@@ -4,8 +4,8 @@ Gemma-3 4k aware snapkv fidelity: kvpress's window/kernel (64/5), its Gemma-3 ru
 the question kept on top of the budget) one at a time. First 10 samples a task, sample-major."""
 import json, torch
 from kvmem.models import load_model
-from kvmem.eval.tasks import make_samples, score
-from kvmem.eval.longctx import prefill_sample
+from kvmem_bench.longctx.tasks import make_samples, score
+from kvmem_bench.longctx.runner import prefill_sample
 from kvmem.compress import compress, get_method, ModelContext
 from kvmem.generate import answer_batch
 torch.set_num_threads(1)

@@ -8,8 +8,8 @@ question in one forward over kvpress's compressed cache, which transformers 5.2 
 (kvpress_runner.short_layers). The records compared against are the race's after that fix."""
 import json, torch
 from kvmem.models import load_model
-from kvmem.eval.tasks import make_samples
-from kvmem.eval.longctx import prefill_sample, answer_configs
+from kvmem_bench.longctx.tasks import make_samples
+from kvmem_bench.longctx.runner import prefill_sample, answer_configs
 torch.set_num_threads(1)
 lm = load_model("gemma3-270m")
 runs = [(8192, ["knorm", "knorm:sliding=keep"]),

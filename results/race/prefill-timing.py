@@ -5,7 +5,7 @@
     .venv-race/bin/python results/race/prefill-timing.py kvpress      # again (A-B-A), to see drift
 
 Each run appends its rows to prefill-timing.jsonl (the committed file holds exactly these three runs). It reads
-`results/race/tasks-all-all.jsonl`, which git ignores; make it with `kvmem.eval.race.export_tasks(
+`results/race/tasks-all-all.jsonl`, which git ignores; make it with `kvmem_bench.longctx.race.export_tasks(
 Path('results/longctx'), Path('results/race/tasks-all-all.jsonl'), settings=('agnostic', 'aware'))`.
 
 Same token ids (the race's export, `results/race/tasks-all-all.jsonl`, agnostic setting, sample 0 and 1 of the
@@ -56,7 +56,7 @@ def main(library: str) -> None:
                 lambda ids: stock.model(input_ids=ids, past_key_values=stock_cache(stock))}
         if library == "kvmem":
             from kvmem.cache import KVCache
-            from kvmem.generate import feed
+            from kvmem.forward import feed
             from kvmem.models import load_model
 
             lm = load_model(model_name)

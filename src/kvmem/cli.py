@@ -278,16 +278,26 @@ def models_() -> None:
         console.print(f"[bold]{name}[/bold]: {entry.description}", highlight=False)
 
 
-def _load_plugins() -> None:
-    from importlib.metadata import entry_points
-
-    for plugin in entry_points(group="kvmem.cli"):
-        plugin.load()(app)
+_plugins_loaded = False
 
 
-if __name__ == "__main__":  # `python -m kvmem.cli` (how the tests start servers): plugins import this module, not a copy
-    sys.modules.setdefault("kvmem.cli", sys.modules["__main__"])
-_load_plugins()  # after every name a plugin may import from here is defined
+def load_plugins() -> typer.Typer:
+    """Add the commands of every installed plugin (entry point group `kvmem.cli`; kvmem-bench adds demo, eval and
+    race) to `app`, once. Not at import: a plugin imports this module for its helpers."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        from importlib.metadata import entry_points
+
+        _plugins_loaded = True
+        for plugin in entry_points(group="kvmem.cli"):
+            plugin.load()(app)
+    return app
+
+
+def main() -> None:
+    """The `kvmem` command: kvmem's own commands and its plugins'."""
+    load_plugins()()
+
 
 if __name__ == "__main__":
-    app()
+    main()

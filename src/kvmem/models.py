@@ -275,19 +275,28 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
     return on_passing_thread(_load_model, name_or_path, dtype)
 
 
+def _model_folder(name_or_path: str) -> Path:
+    """Where a registry model (converted on first use), a local folder or an HF id is read from."""
+    if name_or_path in REGISTRY:
+        return _converted_folder(name_or_path)
+    if Path(name_or_path).exists() or "/" in name_or_path:
+        return Path(name_or_path)  # an HF id: transformers resolves it (from the local HF cache when offline)
+    raise KVMemError(f"unknown model {name_or_path!r}: use one of {', '.join(REGISTRY)}, a local folder or an HF id")
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """The model's tokenizer alone, without its weights (to count or build prompts in its tokens)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_model_folder(name_or_path))
+
+
 def _load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvmem.cache import ATTENTION_NAME, check_supported
 
-    if name_or_path in REGISTRY:
-        folder = _converted_folder(name_or_path)
-    elif Path(name_or_path).exists():
-        folder = Path(name_or_path)
-    elif "/" in name_or_path:
-        folder = Path(name_or_path)  # an HF id: transformers resolves it (from the local HF cache when offline)
-    else:
-        raise KVMemError(f"unknown model {name_or_path!r}: use one of {', '.join(REGISTRY)}, a local folder or an HF id")
+    folder = _model_folder(name_or_path)
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001 - transformers raises many types; the user needs one line

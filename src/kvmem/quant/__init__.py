@@ -6,7 +6,6 @@ layer's rows that way (see `base.py`). Bit-packing and group quantization are in
 
 from __future__ import annotations
 
-from kvmem.errors import KVMemError
 from kvmem.quant.adaquant import AdaQuant
 from kvmem.quant.base import QuantizedRows, Scheme
 from kvmem.quant.cq import CoupledQuantization

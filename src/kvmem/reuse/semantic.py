@@ -137,7 +137,7 @@ def prefill_semantic(lm, cache: KVCache, ids: list[int], index: SemanticIndex, m
     check_plain(cache)
     if any(layer.is_initialized for layer in cache.layers):
         raise KVMemError("semantic reuse prefills an empty cache only")
-    store, n = index.store, index.store.chunk_size
+    store = index.store
     report = SemanticReport(prompt_tokens=len(ids))
     limit = len(ids) - max(min_tail, 1)
     t = time.perf_counter()

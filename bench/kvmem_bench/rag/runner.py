@@ -2,7 +2,7 @@
 
 A sample is `docs_per_sample` real paper abstracts (`data/abstracts.txt`, 120-200 words each, about 1.2k
 tokens in all), each a separately precomputed chunk, with facts about invented people inserted at a random
-sentence boundary (names, cities and years from `kvmem_bench.tasks`, none of which occurs in the abstracts).
+sentence boundary (names, cities and years from `kvmem_bench.longctx.tasks`, none of which occurs in the abstracts).
 Two kinds of question:
 
 * `cross-doc`: a statement runs over a chunk boundary, as when a passage is split into chunks: chunk A ends with
@@ -37,11 +37,13 @@ from kvmem import __version__
 from kvmem.errors import KVMemError
 from kvmem.calibration import load_abstracts
 from kvmem_bench.stats import bootstrap_mean, paired_difference
-from kvmem_bench.tasks import (ADJECTIVES, ATTRIBUTES, NOUNS, _distinct, _person, _sentences,
-                              score_output)
+from kvmem_bench.longctx.facts import ATTRIBUTES, random_person
+from kvmem_bench.longctx.haystack import ADJECTIVES, NOUNS, abstract_sentences, distinct
+from kvmem_bench.longctx.tasks import score_output
 from kvmem.models import LoadedModel, load_model
 from kvmem.prompts import _template_parts
 from kvmem.reuse.blend import METHODS, assemble_and_answer, precompute
+from kvmem_bench.records import git_commit, read_records
 
 RAG_METHODS = (*METHODS, "infoflow-inorder")  # infoflow-inorder: infoflow's selection without its chunk reordering
 
@@ -64,7 +66,7 @@ class RagSample:
 
 def _insert(rng: random.Random, abstract_index: int, facts: list[str]) -> str:
     """The abstract with each fact put at a random sentence boundary (never first, so it reads as inserted)."""
-    sentences = list(_sentences()[abstract_index])
+    sentences = list(abstract_sentences()[abstract_index])
     for fact in facts:
         sentences.insert(rng.randint(1, len(sentences)), fact)
     return " ".join(sentences)
@@ -78,13 +80,13 @@ def make_sample(kind: str, rng: random.Random, k: int = 5) -> RagSample:
         raise KVMemError(f"a RAG sample needs at least 3 documents (got {k})")
     pool = [i for i, a in enumerate(load_abstracts()) if WORDS[0] <= len(a.split()) <= WORDS[1]]
     abstracts = rng.sample(pool, k)
-    people = _distinct(lambda: _person(rng), 3)
+    people = distinct(lambda: random_person(rng), 3)
     if kind == "cross-doc":
         project = f"{rng.choice(ADJECTIVES).title()} {rng.choice(NOUNS).title()}"
-        rooms = _distinct(lambda: ATTRIBUTES["room"].value(rng), 2)
+        rooms = distinct(lambda: ATTRIBUTES["room"].value(rng), 2)
         a = rng.randrange(k - 1)  # the fact runs over the boundary of chunks a and a + 1
         other = rng.choice([j for j in range(k) if j not in (a, a + 1)])
-        docs = [" ".join(_sentences()[i]) for i in abstracts]
+        docs = [" ".join(abstract_sentences()[i]) for i in abstracts]
         docs[a] += f" The {project} project is led by {people[0]}."
         docs[a + 1] = f"The project leader's office is in room {rooms[0]}. " + docs[a + 1]
         docs[other] = _insert(rng, abstracts[other], [ATTRIBUTES["room"].fact.format(p=people[1], v=rooms[1])])
@@ -122,10 +124,6 @@ def _key(r: dict) -> tuple:
     return r["model"], r["kind"], r["sample"], r["method"], r["recompute_ratio"]
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def run_sample(lm: LoadedModel, sample: RagSample, configs: list[tuple[str, float | None]]) -> list[dict]:
     """Precompute the sample's documents once, then answer with every (method, ratio)."""
     head, doc_ids, question = prompt_ids(lm.tokenizer, sample)
@@ -150,7 +148,6 @@ def run_rag(models: Sequence[str] = ("smollm2-135m",),
             seed: int = 0, kinds: Sequence[str] = KINDS, docs_per_sample: int = 5, progress: bool = True) -> Path:
     """Run what `out/records.jsonl` lacks (`samples` per question kind), then write the summary, report and plot.
     `recompute_ratio` may be a list (a sweep of cacheblend and infoflow). Returns `out`."""
-    from kvmem_bench.longctx import git_commit
 
     ratios = [float(r) for r in ([recompute_ratio] if isinstance(recompute_ratio, (int, float)) else recompute_ratio)]
     bad = [m for m in methods if m not in RAG_METHODS]
@@ -163,7 +160,7 @@ def run_rag(models: Sequence[str] = ("smollm2-135m",),
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "records.jsonl"
-    done = {_key(r) for r in _records(path)}
+    done = {_key(r) for r in read_records(path)}
     stamp = dict(kvmem=__version__, commit=git_commit(), threads=torch.get_num_threads(), seed=seed,
                  docs=docs_per_sample)
     configs = _configs(methods, ratios)
@@ -231,7 +228,7 @@ def _cell(row: dict, ref: str) -> str:
 
 def write_summary(out: Path) -> None:
     """summary.json, report.md and score_vs_compute.png from `out/records.jsonl`."""
-    records = _records(out / "records.jsonl")
+    records = read_records(out / "records.jsonl")
     if not records:
         raise KVMemError(f"no records in {out / 'records.jsonl'}")
     rows = summarize(records)
@@ -239,7 +236,7 @@ def write_summary(out: Path) -> None:
     commits = sorted({r.get("commit", "unknown") for r in records})
     lines = ["# RAG chunk reuse (non-prefix): multi-document QA", "",
              "Each document's KV precomputed on its own after the template head, assembled at new positions "
-             "(keys moved), then answered (see `bench/kvmem_bench/rag.py`, `src/kvmem/reuse/blend.py`). Score: the "
+             "(keys moved), then answered (see `bench/kvmem_bench/rag/runner.py`, `src/kvmem/reuse/blend.py`). Score: the "
              "expected string is in the greedy answer; mean with its 95 % bootstrap CI (`all`: kinds weigh the "
              "same, stratified). Differences are paired on the same samples; * marks a CI that excludes 0. "
              "Compute: token-layers of documents + question computed, as a fraction of a full prefill "

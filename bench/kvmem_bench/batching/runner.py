@@ -1,7 +1,7 @@
 """The continuous-batching benchmark (`make bench-batching`): what batching turns freed KV memory into.
 
 Phases, each its own server on loopback, one after another (never side by side: on 2 cores they would time each
-other), every request a streaming chat completion (the openai client; `kvmem_bench.load.one_request`) at temperature 0
+other), every request a streaming chat completion (the openai client; `kvmem_bench.serve.harness.one_request`) at temperature 0
 with `ignore_eos`, so every request decodes exactly `max_tokens`:
 
 * `sweep`: closed-loop clients (each sends its next request when the last ends) at each concurrency for
@@ -22,7 +22,7 @@ with `ignore_eos`, so every request decodes exactly `max_tokens`:
   against full precision, and evicted to heads of different lengths, read by the kernel or by SDPA head by head.
 
 The server's /metrics are sampled every 0.25 s (rows in the batch, KV bytes held, preemptions). Everything goes to
-OUT/batching.json, written after each phase; `kvmem_bench.batching_report` makes OUT/report.md and the plots.
+OUT/batching.json, written after each phase; `kvmem_bench.batching.report` makes OUT/report.md and the plots.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Iterator
 
 from kvmem.errors import KVMemError
-from kvmem_bench.load import (_get, _git_commit, _git_dirty, _now, knowledge_base, load_tokenizer, one_request,
-                             parse_prometheus, question, question_list)
+from kvmem_bench.batching.steps import step_times
+from kvmem_bench.records import git_commit, now, uncommitted_changes
+from kvmem_bench.serve.harness import (get, knowledge_base, load_tokenizer, one_request, parse_prometheus, question,
+                                       question_list)
 
 SERVERS = ("kvmem-single", "kvmem-batching", "transformers")
 MEMORY_CONFIGS = {  # name: the request's kvmem options
@@ -55,8 +57,6 @@ MEMORY_CONFIGS = {  # name: the request's kvmem options
     "kvzip@0.5+kivi-8": {"method": "kvzip", "keep_ratio": 0.5, "quant": "kivi-8"},
 }
 METRICS_EVERY_S = 0.25
-STEP_SCHEMES = ("kivi-8", "kivi-4", "kivi-2", "kvquant-3", "rotatekv-4")
-EVICTED_STEP = "snapkv:budget=adaptive"  # the steps part's ragged full-precision rows
 
 
 @contextmanager
@@ -100,7 +100,7 @@ def transformers_server(model: str, log: Path, threads: int) -> Iterator[dict]:
             if proc.poll() is not None:
                 raise KVMemError(f"transformers serve exited with {proc.returncode}: {log.read_text()[-1500:]}")
             try:
-                if _get(base + "/health", 2)[0] == 200:
+                if get(base + "/health", 2)[0] == 200:
                     break
             except (urllib.error.URLError, OSError):
                 pass
@@ -132,11 +132,11 @@ def settled(server: dict, timeout_s: float = 60) -> dict:
     deadline, m = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
         try:
-            m = parse_prometheus(_get(server["base"] + "/metrics", 2)[1])
+            m = parse_prometheus(get(server["base"] + "/metrics", 2)[1])
             if not m.get("kvmem_batch_rows") and not m.get("kvmem_kv_bytes_held") and not m.get("kvmem_swapped_rows") \
                     and not m.get("kvmem_queue_depth"):
                 time.sleep(IDLE_S)
-                m = parse_prometheus(_get(server["base"] + "/metrics", 2)[1])
+                m = parse_prometheus(get(server["base"] + "/metrics", 2)[1])
                 break
         except (urllib.error.URLError, OSError, ValueError):
             pass
@@ -150,7 +150,7 @@ async def _sample_metrics(base: str, t0: float, samples: list, stop: asyncio.Eve
     server's RSS bytes]."""
     while not stop.is_set():
         try:
-            m = parse_prometheus((await asyncio.to_thread(_get, base + "/metrics", 2))[1])
+            m = parse_prometheus((await asyncio.to_thread(get, base + "/metrics", 2))[1])
             samples.append([round(time.perf_counter() - t0, 3), m.get("kvmem_batch_rows", 0.0),
                             m.get("kvmem_kv_bytes_held", 0.0), m.get("kvmem_preemptions", 0.0),
                             m.get(RSS, math.nan)])
@@ -243,7 +243,7 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
                        memory_budget: str = "256MiB", memory_clients: int = 16, memory_duration_s: float = 180, memory_rounds: int = 3,
                        memory_configs: tuple[str, ...] = tuple(MEMORY_CONFIGS), phases: tuple[str, ...] = ("sweep", "memory", "steps"),
                        command: str | None = None, log=print) -> Path:
-    from kvmem_bench.batching_report import write_report
+    from kvmem_bench.batching.report import write_report
 
     if unknown := set(servers) - set(SERVERS):
         raise KVMemError(f"unknown server(s) {sorted(unknown)}; choose from {', '.join(SERVERS)}")
@@ -255,7 +255,7 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
     data = json.loads(path.read_text()) if path.exists() else {"runs": []}
     tokenizer = load_tokenizer(model)
     data["config"] = dict(model=model, threads=threads, max_tokens=max_tokens, cpus=os.cpu_count(),
-                          machine=platform.machine(), commit=_git_commit(), dirty=_git_dirty(), command=command)
+                          machine=platform.machine(), commit=git_commit(), dirty=uncommitted_changes(), command=command)
 
     def save():
         path.write_text(json.dumps(data, indent=1))
@@ -293,8 +293,8 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
                         data["runs"] = [r for r in data["runs"] if not (r["phase"] == "sweep" and r["server"] == kind and
                                                                         r["length"] == length and r["clients"] == c)]
                         data["runs"].append(dict(phase="sweep", server=kind, length=length, prompt_tokens=n_system,
-                                                 command=up[kind]["command"], when=_now(), commit=_git_commit(),
-                                                 dirty=_git_dirty(), **run))
+                                                 command=up[kind]["command"], when=now(), commit=git_commit(),
+                                                 dirty=uncommitted_changes(), **run))
                     save()
     if "memory" in phases:
         system, n_system, n_docs = knowledge_base(tokenizer, 4096)
@@ -333,103 +333,14 @@ def run_batching_suite(out: Path, model: str = "smollm2-135m", lengths: tuple[in
                 data["runs"] = [r for r in data["runs"] if not (r["phase"] == "memory" and r["config"] == name)]
                 data["runs"].append(dict(phase="memory", server="kvmem-batching", config=name, options=opts[name],
                                          budget=memory_budget, length=4096, prompt_tokens=n_system,
-                                         command=servers[name]["command"], when=_now(), commit=_git_commit(),
-                                         dirty=_git_dirty(), **run))
+                                         command=servers[name]["command"], when=now(), commit=git_commit(),
+                                         dirty=uncommitted_changes(), **run))
             save()
     if "steps" in phases:
         log("steps: a decode step in-process, packed vs padded rows, and per quantization scheme")
-        data["steps"] = step_times(model, threads, log=log) | dict(when=_now(), commit=_git_commit(), dirty=_git_dirty())
+        data["steps"] = step_times(model, threads, log=log) | dict(when=now(), commit=git_commit(), dirty=uncommitted_changes())
         save()
     return write_report(out)
-
-
-def step_times(model: str, threads: int, length: int = 1024, rows: tuple[int, ...] = (1, 4, 16),
-               schemes: tuple[str, ...] = STEP_SCHEMES, steps: int = 8, log=print) -> dict:
-    """In-process, one model: ms per decode step of a batch of `rows` sequences of `length` tokens (a) with every row
-    attending its own cache in place (`RowBatch`, what the scheduler runs) against the same rows copied into one
-    padded batch (`BatchedCache`), rows of equal lengths and of four lengths (1, 1/2, 1/4, 1/8 of the tokens, by
-    streaming-llm; one position, which `BatchedCache` needs); (b) with every row's cache held by each quantization
-    scheme, against full precision, and evicted to heads of different lengths (`EVICTED_STEP` at 0.25), read by the
-    kernel or by SDPA. Rows are clones of one prefill; the order of the variants alternates over two rounds."""
-    import torch
-
-    from kvmem.batch import BatchedCache, RowBatch
-    from unittest.mock import patch
-
-    from kvmem.cache import KVCache
-    from kvmem.compress import compress, get_method
-    from kvmem.forward import feed, step
-    from kvmem.layer import KVLayer
-    from kvmem.models import load_model
-    from kvmem.quant import get_scheme
-
-    torch.set_num_threads(threads)
-    lm = load_model(model)
-    base = KVCache(lm.model.config)
-    feed(lm, base, torch.randint(0, lm.tokenizer.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist())
-    evicted = base.clone()  # heads of different lengths, as kvzip's or an adaptive budget's: full precision, ragged
-    compress(evicted, get_method(EVICTED_STEP), 0.25)
-    evicted.drop_observations()
-    base.drop_observations()
-
-    def packed(caches):
-        batch = RowBatch(lm.model.config, caches)
-        return lambda: step(lm, batch, [[5]] * len(caches))
-
-    def padded(caches):
-        batch, position = BatchedCache(caches), [base.get_seq_length()]
-
-        def one():
-            ids = torch.full((len(caches), 1), 5)
-            lm.model(input_ids=ids, cache=batch, position_ids=torch.full((len(caches), 1), position[0]), use_cache=True,
-                     logits_to_keep=1)
-            position[0] += 1
-        return one
-
-    def timed(fn) -> float:
-        fn()  # the first step allocates
-        t = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        return (time.perf_counter() - t) / steps * 1000
-
-    def ragged(b: int) -> list:
-        """b rows of different lengths at one position: streaming-llm at keep ratios 1, 1/2, 1/4, 1/8 in turn."""
-        out = []
-        for i in range(b):
-            c = base.clone()
-            if i % 4:
-                compress(c, get_method("streaming-llm"), 0.5 ** (i % 4))
-            out.append(c)
-        return out
-
-    out: dict = dict(length=length, steps=steps, threads=threads, padding=[], quant=[])
-    for round_ in range(2):
-        for b in rows:
-            for lengths in ("equal", "ragged"):
-                for kind, make in (("packed", packed), ("padded", padded))[::1 if round_ == 0 else -1]:
-                    caches = ragged(b) if lengths == "ragged" else [base.clone() for _ in range(b)]
-                    ms = timed(make(caches))
-                    out["padding"].append(dict(rows=b, lengths=lengths, kind=kind, round=round_, ms=ms,
-                                               tokens=[c.layers[0].lengths()[0] for c in caches]))
-                    log(f"  {b:>2} rows ({lengths} lengths), {kind}: {ms:.1f} ms a step")
-        # a scheme with a decode kernel also without it (decoded into a buffer, then SDPA): what the kernel buys
-        # and evicted rows of different lengths per head, read by the kernel and by SDPA head by head
-        head_dim = base.layers[0].rows.kv_tensors()[0].shape[-1]
-        variants = [("full", None, True)] + [(s, s, True) for s in schemes] + [
-            (f"{s}, decoded then SDPA", s, False) for s in schemes if get_scheme(s, lm).has_decode_kernel(head_dim)] + [
-            (f"{EVICTED_STEP}@0.25", "evicted", True), (f"{EVICTED_STEP}@0.25, SDPA head by head", "evicted", False)]
-        for label, spec, kernel in variants[::1 if round_ == 0 else -1]:
-            caches = [(evicted if spec == "evicted" else base).clone() for _ in range(rows[-1])]
-            if spec not in (None, "evicted"):
-                scheme = get_scheme(spec, lm)
-                caches = [c.quantize(scheme) for c in caches]
-            kv = sum(c.kv_bytes() for c in caches)
-            with patch.object(KVLayer, "_decodes_in_place", KVLayer._decodes_in_place if kernel else lambda *a: False):
-                ms = timed(packed(caches))
-            out["quant"].append(dict(rows=rows[-1], scheme=label, round=round_, ms=ms, kv_bytes=kv))
-            log(f"  {rows[-1]} rows, {label}: {ms:.1f} ms a step, {kv / 2**20:.0f} MiB of KV")
-    return out
 
 
 @contextmanager

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -43,13 +42,14 @@ from tqdm import tqdm
 from kvmem import __version__
 from kvmem.compress import METHODS, ModelContext, compress, get_method
 from kvmem.errors import KVMemError
-from kvmem_bench.report import write_report
-from kvmem_bench.tasks import TASKS, make_samples, perplexity_text, score
+from kvmem_bench.longctx.report import write_report
+from kvmem_bench.longctx.tasks import TASKS, make_samples, perplexity_text, score
 from kvmem.forward import feed
 from kvmem.generate import answer_batch, nll
 from kvmem.models import LoadedModel, load_model
 from kvmem.cache import KVCache
 from kvmem.prompts import Prompt, build_prompt
+from kvmem_bench.records import git_commit, read_records
 
 PPL_TASKS = ("ppl-recall", "ppl-next")
 ALL_TASKS = tuple(TASKS) + PPL_TASKS
@@ -81,14 +81,6 @@ class EvalConfig:
                 raise KVMemError(f"keep ratio must be in (0, 1]; got {r}")
         if self.samples < 1:
             raise KVMemError("--samples must be at least 1")
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _configs(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
@@ -211,7 +203,7 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
             write(i, _run_ppl(lm, *pairs[i], missing, cfg.ratios))
         return
     samples = make_samples(task, lm.tokenizer, L, cfg.samples, cfg.seed)
-    full = [r["score"] for r in _records(records_path) if (r["model"], r["length"], r["task"], r["method"],
+    full = [r["score"] for r in read_records(records_path) if (r["model"], r["length"], r["task"], r["method"],
             r["setting"]) == (model_name, L, task, "full", "agnostic")]
     if len(full) >= SCREEN_SAMPLES and sum(full[:SCREEN_SAMPLES]) / SCREEN_SAMPLES < SCREEN_STOP:
         return  # screened out in an earlier run
@@ -240,14 +232,10 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
             held = []
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _done_methods(path: Path) -> dict[tuple, set[str]]:
     """(model, length, task, sample) -> the methods recorded for it."""
     done: dict[tuple, set[str]] = {}
-    for r in _records(path):
+    for r in read_records(path):
         done.setdefault((r["model"], r["length"], r["task"], r["sample"]), set()).add(r["method"])
     return done
 

@@ -10,8 +10,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvmem.errors import KVMemError
-from kvmem_bench.quant import FULL, HF_BASELINES, TEN_X, delta_ppl, read_records
-from kvmem_bench.readme import replace_block
+from kvmem_bench.perplexity import delta_ppl
+from kvmem_bench.quant import FULL, HF_BASELINES, TEN_X
+from kvmem_bench.records import read_records
 from kvmem_bench.stats import Interval, bootstrap_mean, paired_difference
 
 COMMAND = "make bench-quant"
@@ -282,16 +283,18 @@ def write_report(out: Path) -> dict:
     return summary
 
 
-README_BLOCK = ("<!-- quant: regenerated from results/quant/report.md by `make bench-quant` -->", "<!-- /quant -->")
+README_MARKERS = ("<!-- quant: regenerated from results/quant/report.md by `make bench-quant` -->", "<!-- /quant -->")
 
 
-def update_readme(results: Path = Path("results/quant"), readme: Path = Path("README.md")) -> None:
-    """Replace the README's quantization block with the report's targets (run by `make bench-quant`)."""
-    report = (results / "report.md").read_text()
+def readme_block(results: Path = Path("results")) -> str | None:
+    """The README's quantization block: the targets of RESULTS/quant/report.md."""
+    path = Path(results) / "quant" / "report.md"
+    if not path.exists():
+        return None
+    report = path.read_text()
     targets = report[report.index("## Targets") + len("## Targets"):report.index("## Perplexity")].strip()
-    body = (f"{README_BLOCK[0]}\n**Quantization** (issue 9; `make bench-quant`): the targets as measured (Δppl with 95% "
+    return (f"{README_MARKERS[0]}\n**Quantization** (issue 9; `make bench-quant`): the targets as measured (Δppl with 95% "
             "paired block-bootstrap CIs on held-out 2048-token texts; tasks on each model's usable tasks at the length "
             "shown, n as shown). "
             "Full tables and the eviction x quantization frontier: [results/quant/report.md](results/quant/report.md)."
-            f"\n\n{targets}\n{README_BLOCK[1]}")
-    replace_block(readme, README_BLOCK, body)
+            f"\n\n{targets}\n{README_MARKERS[1]}")

@@ -1,4 +1,4 @@
-"""The load test's report (OUT/report.md, plots) from OUT/load.json (`kvmem_bench/load.py` writes it and says what is
+"""The load test's report (OUT/report.md, plots) from OUT/load.json (`kvmem_bench/serve/runner.py` writes it and says what is
 measured).
 
 Per phase, the steady state (every request after the warm-up): requests/s (ok requests over the time from the
@@ -20,41 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmem_bench.readme import replace_block
+from kvmem_bench.serve import NOT_LOAD, PHASE_LABELS
+from kvmem_bench.serve.plots import plots
+from kvmem_bench.stats import bootstrap_median, median_ratio, percentile
 
-PHASE_LABELS = {"store_on": "store on", "store_off": "store off", "soak": "soak (Redis only, restarted)"}
-N_BOOT = 2000
-NOT_LOAD = ("replicas", "batching")  # phases with their own sections, no clients looping
 METRIC_ROWS = 40  # per phase, of the metrics that changed
-
-
-def percentile(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if len(xs) else math.nan
-
-
-def _boot_medians(xs: list[float], n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    v = np.asarray(xs, dtype=float)
-    return np.median(v[rng.integers(0, v.size, size=(n_boot, v.size))], axis=1)
-
-
-def bootstrap_median(xs: list[float], n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
-    """(median, lo, hi): the percentile-bootstrap CI of the median; NaNs for no values."""
-    if not len(xs):
-        return math.nan, math.nan, math.nan
-    reps = _boot_medians(xs, n_boot, np.random.default_rng(seed))
-    lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
-    return float(np.median(xs)), float(lo), float(hi)
-
-
-def median_ratio(num: list[float], den: list[float], n_boot: int = N_BOOT, seed: int = 0,
-                 level: float = 0.95) -> tuple[float, float, float]:
-    """median(num) / median(den) with a bootstrap CI, the two samples resampled independently."""
-    if not len(num) or not len(den):
-        return math.nan, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    reps = _boot_medians(num, n_boot, rng) / _boot_medians(den, n_boot, rng)
-    lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
-    return float(np.median(num) / np.median(den)), float(lo), float(hi)
 
 
 def rss_growth(samples: list[list[float]], t_from: float = 0.0) -> dict:
@@ -154,75 +124,6 @@ def _cell(text: object, limit: int = 300) -> str:
 
 def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
-
-
-def _plots(data: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    phases = {k: v for k, v in data["phases"].items() if k not in NOT_LOAD}
-    made = []
-    colours = {"store_on": "tab:blue", "store_off": "tab:orange", "soak": "tab:green"}
-    compared = [p for p in ("store_on", "store_off") if p in phases]
-    if compared:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for name in compared:
-            ttft = np.sort([r["ttft_s"] for r in phases[name]["requests"] if not r["warmup"] and r["status"] == "ok"])
-            if ttft.size:
-                ax.step(ttft, np.arange(1, ttft.size + 1) / ttft.size, where="post", color=colours[name],
-                        label=f"{PHASE_LABELS[name]} (n={ttft.size})")
-            for r in phases[name]["requests"]:
-                if r["warmup"] and r["ttft_s"] is not None:
-                    ax.axvline(r["ttft_s"], color=colours[name], ls="--", lw=1, label=f"{PHASE_LABELS[name]}: warm-up")
-        ax.set(xscale="log", ylim=(0, 1.02), xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT, steady state (CDF)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "ttft.png", dpi=120)
-        plt.close(fig)
-        made.append("ttft.png")
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, phase in phases.items():
-        if phase["rss"]:
-            t, kib = zip(*phase["rss"])
-            ax.plot(t, np.asarray(kib) / 1024, color=colours.get(name), label=PHASE_LABELS.get(name, name))
-    if "soak" in phases and phases["soak"].get("redis_down_s") is not None:
-        ax.axvspan(phases["soak"]["redis_down_s"], phases["soak"]["redis_up_s"], color="tab:green", alpha=0.12,
-                   label="soak: Redis down")
-    ax.set(xlabel="seconds from the phase's start", ylabel="server RSS (MiB)", title="server RSS over time")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "rss.png", dpi=120)
-    plt.close(fig)
-    made.append("rss.png")
-    soak = phases.get("soak")
-    if soak and soak.get("redis_down_s") is not None:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        ax.axvspan(soak["redis_down_s"], soak["redis_up_s"], color="grey", alpha=0.2, label="Redis down")
-        ok = [r for r in soak["requests"] if r["status"] == "ok" and not r["warmup"]]
-        for label, keep, colour in (("loaded from the store", lambda r: (r["cached_tokens"] or 0) > 0, "tab:blue"),
-                                    ("computed (miss)", lambda r: not (r["cached_tokens"] or 0) > 0, "tab:orange")):
-            pts = [(r["t_start_s"], r["ttft_s"]) for r in ok if keep(r)]
-            if pts:
-                ax.scatter(*zip(*pts), s=12, color=colour, label=label)
-        warm = [r for r in soak["requests"] if r["warmup"] and r["ttft_s"] is not None]
-        if warm:
-            ax.scatter([r["t_start_s"] for r in warm], [r["ttft_s"] for r in warm], marker="*", s=90, color="k",
-                       label="warm-up (fills the store)")
-        bad = [r["t_start_s"] for r in soak["requests"] if r["status"] != "ok"]
-        if bad:
-            ax.scatter(bad, [min((r["ttft_s"] for r in ok), default=0.01)] * len(bad), marker="x", color="red",
-                       label="error / 429")
-        ax.set(yscale="log", xlabel="request start (s from the soak's start)", ylabel="TTFT (s)",
-               title="soak: TTFT over time, Redis killed and restarted")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "soak.png", dpi=120)
-        plt.close(fig)
-        made.append("soak.png")
-    return made
 
 
 def _metric_changes(phase: dict) -> list[tuple[str, float, float]]:
@@ -332,16 +233,18 @@ def headline(data: dict) -> list[str]:
     return out
 
 
-README_BLOCK = ("<!-- serve: regenerated from results/serve/report.md by `make bench-serve` -->", "<!-- /serve -->")
+README_MARKERS = ("<!-- serve: regenerated from results/serve/report.md by `make bench-serve` -->", "<!-- /serve -->")
 
 
-def update_readme(results: Path = Path("results/serve"), readme: Path = Path("README.md")) -> None:
-    """Replace the README's serve block with the report's Headline."""
-    report = (results / "report.md").read_text()
+def readme_block(results: Path = Path("results")) -> str | None:
+    """The README's serve block: the Headline of RESULTS/serve/report.md."""
+    path = Path(results) / "serve" / "report.md"
+    if not path.exists():
+        return None
+    report = path.read_text()
     lines = report[report.index("## Headline") + len("## Headline"):].split("\n## ")[0].strip()
-    body = (f"{README_BLOCK[0]}\n**Serve** (issue 11; `make bench-serve`): `kvmem serve` under concurrent clients on "
-            f"loopback. Full report: [results/serve/report.md](results/serve/report.md).\n\n{lines}\n{README_BLOCK[1]}")
-    replace_block(readme, README_BLOCK, body)
+    return (f"{README_MARKERS[0]}\n**Serve** (issue 11; `make bench-serve`): `kvmem serve` under concurrent clients on "
+            f"loopback. Full report: [results/serve/report.md](results/serve/report.md).\n\n{lines}\n{README_MARKERS[1]}")
 
 
 def write_report(out: Path) -> Path:
@@ -364,7 +267,7 @@ def write_report(out: Path) -> Path:
                f"max_tokens {cfg['max_tokens']}, kvmem options `{json.dumps(cfg['kvmem_options'])}`"
                + (f" (with a store also `{json.dumps(cfg['kvmem_store_options'])}`)" if cfg.get("kvmem_store_options") else "")
                + ". Every request is in "
-               "`load.json`; what is measured and why: `kvmem_bench/load.py`.", "",
+               "`load.json`; what is measured and why: `kvmem_bench/serve/runner.py`.", "",
              "## Headline", "", *headline(data), "",
              "## Steady state per phase", "",
              "After the warm-up request; requests/s = ok requests / (last request's end - steady state's start). TTFT: "
@@ -449,6 +352,6 @@ def write_report(out: Path) -> Path:
                   "| phase | metric | start | end |", "|---|---|---|---|"]
         lines += [f"| {PHASE_LABELS.get(n, n)} | `{k}` | {'(absent)' if math.isnan(a) else f'{a:g}'} | {b:g} |"
                   for n, k, a, b in rows]
-    lines += [""] + [f"![{p[:-4]}]({p})" for p in _plots(data, out)]
+    lines += [""] + [f"![{p[:-4]}]({p})" for p in plots(data, out)]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"

@@ -22,23 +22,21 @@ import sys
 from pathlib import Path
 
 from kvmem.errors import KVMemError
-from kvmem_bench.longctx import run_clock
-from kvmem_bench.tasks import make_samples, score_output
+from kvmem_bench.longctx.cost import COSTLY_FIRST
+from kvmem_bench.longctx.report import write_report
+from kvmem_bench.longctx.runner import run_clock
+from kvmem_bench.longctx.scores import SETTINGS, Scores, full_cache, usable_tasks
+from kvmem_bench.longctx.tasks import make_samples, score_output
 
 RUNNER = Path(__file__).with_name("kvpress_runner.py")
 # kvpress presses left out because they download weights or statistics from the Hugging Face hub.
 SKIPPED_DOWNLOADS = ("DuoAttentionPress", "QFilterPress", "KVzapPress", "FastKVzipPress", "ExpectedAttentionStatsPress",
                      "LUKVPress", "RestoreKVPress")
-# Presses too costly for every sample (KVzip: 4-5 prefills of replay; observed-attention: an eager prefill): named in
-# `presses` without `first`, each runs on its first N samples a task. The report prices the race the same way.
-COSTLY_FIRST = {"kvzip": 10, "observed-attention": 10}
 
 
 def usable_swept_tasks(bench_records: Path) -> dict[tuple[str, int], list[str]]:
     """(model, length) -> tasks the suite ran a sweep on whose full-cache score makes them usable
     (screened-out and flagged tasks tell nothing about compression, so the race skips them)."""
-    from kvmem_bench.report import Scores, full_cache, usable_tasks
-
     if not bench_records.exists():
         return {}
     records = [json.loads(line) for line in bench_records.read_text().splitlines()]
@@ -54,8 +52,6 @@ def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengt
                  samples: int = 30, seed: int = 0, settings: tuple[str, ...] = ("agnostic",)) -> int:
     """Write the prompts of every usable swept (model, length, task) sample, once per setting, to `path`;
     returns how many lines."""
-    from kvmem_bench.report import SETTINGS
-
     if bad := set(settings) - set(SETTINGS):
         raise KVMemError(f"unknown setting {sorted(bad)[0]!r}; choose from {', '.join(SETTINGS)}")
     from kvmem.generate import end_ids
@@ -151,8 +147,6 @@ def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race")
     model), score, and rebuild the suite's report with the race in it. `presses` limits the presses run and
     `first` the samples per task they run on; without `first`, the presses in COSTLY_FIRST run on their own first
     samples a task. Records accumulate."""
-    from kvmem_bench.report import write_report
-
     out.mkdir(parents=True, exist_ok=True)
     # one file per (models, lengths) asked for: runs side by side never overwrite each other's prompts, which
     # score_raw reads the answers from

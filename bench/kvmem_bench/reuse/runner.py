@@ -13,7 +13,7 @@ A prompt of `length` tokens is a document (`length` - 64 tokens) and a question.
   decoded and imported, the question prefilled; TTFT is until the first token's logits, the median of
   `repeats` runs, broken down into read / decode / import / prefill. Disk is read with the OS page cache
   dropped first where the process may (root), so it reads the device; the record says which.
-* `semantic`: semantic lookup with token verification against exact chunk reuse (`kvmem_bench/semantic.py`).
+* `semantic`: semantic lookup with token verification against exact chunk reuse (`kvmem_bench/reuse/semantic.py`).
 * `quality`: per codec, Delta-ppl (paired block bootstrap CI) of a held-out continuation fed on top of the
   decoded prefix against the raw one. `tasks` (optional): the long-context suite's samples answered from a
   prefix stored with each codec, scored as the main report scores them.
@@ -33,11 +33,13 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem_bench.quant import _append, delta_ppl, read_records, token_nlls
+from kvmem_bench.perplexity import ppl_texts, token_nlls
+from kvmem_bench.records import read_records
 from kvmem.forward import feed
 from kvmem.reuse.prefix import TAIL, chunk_rows, prefill
 from kvmem.store import ChunkStore
 from kvmem.store.tiers import DiskTier, LocalRedis, MemoryTier, RedisTier
+from kvmem_bench.records import append_record
 
 QUESTIONS = ("\n\nQuestion: which methods does the text above propose? Answer:",
              "\n\nQuestion: what problem do the authors of the last paragraph address? Answer:")
@@ -57,7 +59,7 @@ class ReuseConfig:
     out: Path = Path("results/reuse")
     threads: int = 1
     parts: tuple[str, ...] = ("ttft", "tasks", "semantic")
-    semantic_pairs: int = 20  # pairs of prompts in the semantic-lookup part (kvmem_bench/semantic.py), first model only
+    semantic_pairs: int = 20  # pairs of prompts in the semantic-lookup part (kvmem_bench/reuse/semantic.py), first model only
     task_samples: int = 10  # per usable long-context task, answered from a prefix stored with each codec
     task_length: int = 2048
     bench: Path = Path("results/longctx")  # the suite whose usable tasks are used
@@ -90,8 +92,6 @@ QUESTION_ROOM = 64  # a prompt of `length` tokens: the document, then up to this
 def _document(lm, length: int) -> tuple[list[int], list[int]]:
     """A document of `length - QUESTION_ROOM` tokens of held-out text (so document and question fit `length`, e.g.
     the model's 8192) and the continuation after it (the quant benchmark's texts)."""
-    from kvmem_bench.quant import ppl_texts
-
     n = length - QUESTION_ROOM
     ids = ppl_texts(lm.tokenizer, n + 512, 1)[0]
     return ids[:n], ids[n:]
@@ -143,7 +143,7 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
     t = time.perf_counter()
     _, first_report = prefill(lm, cache, first, raw_store, context_end=len(doc))
     cold_store_s = time.perf_counter() - t
-    _append(path, base | dict(kind="cold", ttft_s=cold_s, with_store_s=cold_store_s, prompt_tokens=len(second),
+    append_record(path, base | dict(kind="cold", ttft_s=cold_s, with_store_s=cold_store_s, prompt_tokens=len(second),
                               document_tokens=len(doc)))
     log(f"{model} {length}: cold TTFT {cold_s:.2f} s; first request with a store {cold_store_s:.2f} s")
     pieces = document_pieces(cache, len(doc), cfg.chunk_size)
@@ -167,7 +167,7 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
             rec = base | dict(kind="codec", codec=writer.codec.spec, bytes=nbytes, tokens=len(doc),
                               bytes_per_token=nbytes / len(doc), encode_tokens_per_s=len(doc) / write_s,
                               decode_tokens_per_s=len(doc) / read_decode_s, tiers_written=list(tiers))
-            _append(path, rec)
+            append_record(path, rec)
             log(f"  {writer.codec.spec}: {rec['bytes_per_token']:.0f} B/token, encode+write {rec['encode_tokens_per_s']:.0f} "
                 f"tok/s, decode {rec['decode_tokens_per_s']:.0f} tok/s")
             for name, tier in tiers.items():
@@ -184,7 +184,7 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
                 ttft, report = _median_run(warm, cfg.repeats)
                 if report.reused_tokens != len(doc):
                     raise KVMemError(f"{name}/{codec}: reused {report.reused_tokens} tokens, expected {len(doc)}")
-                _append(path, base | dict(kind="warm", tier=name, codec=writer.codec.spec, ttft_s=ttft, cold_ttft_s=cold_s,
+                append_record(path, base | dict(kind="warm", tier=name, codec=writer.codec.spec, ttft_s=ttft, cold_ttft_s=cold_s,
                                           speedup=cold_s / ttft, read_s=report.read_s, decode_s=report.decode_s,
                                           import_s=report.import_s, prefill_s=report.prefill_s,
                                           reused_tokens=report.reused_tokens, computed_tokens=report.computed_tokens,
@@ -195,7 +195,7 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
             cache = KVCache(lm.model.config)
             prefill(lm, cache, doc + after[:1], ChunkStore([tiers["memory"]], codec, cfg.chunk_size), context_end=len(doc))
             nll = token_nlls(lm, cache, after[1:cfg.continuation + 2], 64)
-            _append(path, base | dict(kind="nll", codec=writer.codec.spec, nll=nll))
+            append_record(path, base | dict(kind="nll", codec=writer.codec.spec, nll=nll))
             del cache
 
 
@@ -203,8 +203,8 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
 def run_codec_tasks(lm, model: str, cfg: ReuseConfig, log=print) -> None:
     """The long-context suite's usable tasks answered from the context's chunks stored with each codec (the
     context prefilled once; each codec encodes its chunks, and the answer loads them and prefills the rest)."""
-    from kvmem_bench.race import usable_swept_tasks
-    from kvmem_bench.tasks import make_samples, score
+    from kvmem_bench.longctx.race import usable_swept_tasks
+    from kvmem_bench.longctx.tasks import make_samples, score
     from kvmem.generate import decode
     from kvmem.prompts import build_prompt
 
@@ -233,28 +233,10 @@ def run_codec_tasks(lm, model: str, cfg: ReuseConfig, log=print) -> None:
                 tokens = decode(lm, answer_cache, logits, sample.max_new_tokens, stop_at_newline=sample.one_line,
                                 answers=sample.answers)
                 text = lm.tokenizer.decode(tokens)
-                _append(path, dict(kind="task", model=model, length=cfg.task_length, task=task, sample=i,
+                append_record(path, dict(kind="task", model=model, length=cfg.task_length, task=task, sample=i,
                                    codec=store.codec.spec, score=score(sample, text), output=text,
                                    reused_tokens=report.reused_tokens, threads=torch.get_num_threads()))
             log(f"tasks {model} {task} #{i}: {len(specs)} codecs in {time.perf_counter() - t0:.0f} s")
-
-
-def codec_task_scores(records: list[dict]) -> dict[str, dict]:
-    """Per model and codec: mean task score with its CI (stratified by task) and the paired difference to raw."""
-    from kvmem_bench.stats import bootstrap_mean, paired_difference
-
-    out: dict[str, dict] = {}
-    latest = {(r["model"], r["task"], r["sample"], r["codec"]): r for r in records if r["kind"] == "task"}
-    for model in sorted({k[0] for k in latest}):
-        raw = {(k[1], k[2]): r["score"] for k, r in latest.items() if k[0] == model and k[3] == "raw"}
-        for codec in sorted({k[3] for k in latest if k[0] == model}):
-            mine = {(k[1], k[2]): r["score"] for k, r in latest.items() if k[0] == model and k[3] == codec}
-            common = sorted(set(mine) & set(raw))
-            est = bootstrap_mean([mine[c] for c in common], strata=[c[0] for c in common])
-            diff = paired_difference([mine[c] for c in common], [raw[c] for c in common], strata=[c[0] for c in common])
-            out[f"{model}/{codec}"] = dict(model=model, codec=codec, n=len(common), score=list(est), vs_raw=list(diff),
-                                           tasks=sorted({c[0] for c in common}))
-    return out
 
 
 def run_reuse(cfg: ReuseConfig, log=print) -> Path:
@@ -279,21 +261,13 @@ def run_reuse(cfg: ReuseConfig, log=print) -> Path:
             if "tasks" in cfg.parts:
                 run_codec_tasks(lm, model, cfg, log)
             if "semantic" in cfg.parts and model == cfg.models[0] and not (cfg.out / "semantic_summary.json").exists():
-                from kvmem_bench.semantic import run_semantic
+                from kvmem_bench.reuse.semantic import run_semantic
 
                 run_semantic(lm, n=cfg.semantic_pairs, out=cfg.out, chunk_size=cfg.chunk_size,
                              threads=cfg.threads or torch.get_num_threads())
     finally:
         if server is not None:
             server.kill()
-    from kvmem_bench.reuse_report import write_report
+    from kvmem_bench.reuse.report import write_report
 
     return write_report(cfg.out)
-
-
-def codec_quality(records: list[dict], model: str, length: int, block: int = 32) -> dict[str, tuple[float, float, float]]:
-    """Delta-ppl (%, with CI) of each codec against raw at one (model, length)."""
-    nll = {r["codec"]: r["nll"] for r in records if r["kind"] == "nll" and r["model"] == model and r["length"] == length}
-    if "raw" not in nll:
-        return {}
-    return {c: delta_ppl([(v, nll["raw"])], block) for c, v in nll.items() if c != "raw"}

@@ -8,12 +8,37 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvmem_bench.quant import read_records
-from kvmem_bench.readme import replace_block
+from kvmem_bench.perplexity import delta_ppl
+from kvmem_bench.records import read_records
+from kvmem_bench.stats import bootstrap_mean, paired_difference
 
 COMMAND = "make bench-reuse"
 SPEEDUP_GOAL = 20.0  # at 8k, from memory or disk
 CACHEGEN_GOAL = 1 / 3  # of kivi-8's bytes
+
+
+def codec_quality(records: list[dict], model: str, length: int, block: int = 32) -> dict[str, tuple[float, float, float]]:
+    """Delta-ppl (%, with CI) of each codec against raw at one (model, length)."""
+    nll = {r["codec"]: r["nll"] for r in records if r["kind"] == "nll" and r["model"] == model and r["length"] == length}
+    if "raw" not in nll:
+        return {}
+    return {c: delta_ppl([(v, nll["raw"])], block) for c, v in nll.items() if c != "raw"}
+
+
+def codec_task_scores(records: list[dict]) -> dict[str, dict]:
+    """Per model and codec: mean task score with its CI (stratified by task) and the paired difference to raw."""
+    out: dict[str, dict] = {}
+    latest = {(r["model"], r["task"], r["sample"], r["codec"]): r for r in records if r["kind"] == "task"}
+    for model in sorted({k[0] for k in latest}):
+        raw = {(k[1], k[2]): r["score"] for k, r in latest.items() if k[0] == model and k[3] == "raw"}
+        for codec in sorted({k[3] for k in latest if k[0] == model}):
+            mine = {(k[1], k[2]): r["score"] for k, r in latest.items() if k[0] == model and k[3] == codec}
+            common = sorted(set(mine) & set(raw))
+            est = bootstrap_mean([mine[c] for c in common], strata=[c[0] for c in common])
+            diff = paired_difference([mine[c] for c in common], [raw[c] for c in common], strata=[c[0] for c in common])
+            out[f"{model}/{codec}"] = dict(model=model, codec=codec, n=len(common), score=list(est), vs_raw=list(diff),
+                                           tasks=sorted({c[0] for c in common}))
+    return out
 
 
 def _latest(records: list[dict], kind: str, *fields: str) -> dict[tuple, dict]:
@@ -26,8 +51,6 @@ def _latest(records: list[dict], kind: str, *fields: str) -> dict[tuple, dict]:
 
 
 def summarize(records: list[dict]) -> dict:
-    from kvmem_bench.reuse import codec_quality, codec_task_scores
-
     cold = _latest(records, "cold", "model", "length")
     warm = _latest(records, "warm", "model", "length", "tier", "codec")
     codecs = _latest(records, "codec", "model", "length", "codec")
@@ -77,7 +100,7 @@ def write_report(out: Path) -> Path:
     if summary["warm"]:
         _plot(summary, out)
     lines = ["# Reuse: time to first token from stored KV", "",
-             f"Reproduce: `{COMMAND}` (records in `records.jsonl`; see `kvmem_bench/reuse.py` for what is timed).", ""]
+             f"Reproduce: `{COMMAND}` (records in `records.jsonl`; see `kvmem_bench/reuse/runner.py` for what is timed).", ""]
     warm = {(r["model"], r["length"], r["tier"], r["codec"]): r for r in summary["warm"]}
     tiers = sorted({k[2] for k in warm}, key=["memory", "disk", "redis"].index)
     codecs = list(dict.fromkeys(k[3] for k in warm))
@@ -171,15 +194,17 @@ def write_report(out: Path) -> Path:
     return out / "report.md"
 
 
-README_BLOCK = ("<!-- reuse: regenerated from results/reuse/report.md by `make bench-reuse` -->", "<!-- /reuse -->")
+README_MARKERS = ("<!-- reuse: regenerated from results/reuse/report.md by `make bench-reuse` -->", "<!-- /reuse -->")
 
 
-def update_readme(results: Path = Path("results/reuse"), readme: Path = Path("README.md")) -> None:
-    """Replace the README's reuse block with the report's goals and the RAG headline (run by `make bench-reuse`)."""
-    report = (results / "report.md").read_text()
+def readme_block(results: Path = Path("results")) -> str | None:
+    """The README's reuse block: the goals of RESULTS/reuse/report.md."""
+    path = Path(results) / "reuse" / "report.md"
+    if not path.exists():
+        return None
+    report = path.read_text()
     goals = report[report.index("## Goals") + len("## Goals"):].split("\n## ")[0].strip()
-    body = (f"{README_BLOCK[0]}\n**Reuse** (issue 10; `make bench-reuse`): time to first token with and without stored KV "
+    return (f"{README_MARKERS[0]}\n**Reuse** (issue 10; `make bench-reuse`): time to first token with and without stored KV "
             "(prompt = document + question; the document's chunks and its partial last chunk stored), per tier and codec, and what each codec "
             "costs. Full tables: [results/reuse/report.md](results/reuse/report.md); documents reused at new positions "
-            f"(cacheblend, infoflow): [results/rag/report.md](results/rag/report.md).\n\n{goals}\n{README_BLOCK[1]}")
-    replace_block(readme, README_BLOCK, body)
+            f"(cacheblend, infoflow): [results/rag/report.md](results/rag/report.md).\n\n{goals}\n{README_MARKERS[1]}")

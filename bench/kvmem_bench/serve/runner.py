@@ -33,7 +33,7 @@ Each phase starts with one warm-up request alone (the one that fills the store, 
 recorded with `warmup: true` and reported apart from the steady state that follows. Times in the records are
 seconds from the phase's start (just before the warm-up). Everything goes to OUT/load.json (config, the command,
 the commit, every request, the RSS samples, the metrics), written after each phase; OUT/report.md and the plots
-come from `kvmem_bench.load_report.write_report`.
+come from `kvmem_bench.serve.report.write_report`.
 """
 
 from __future__ import annotations
@@ -45,19 +45,16 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from kvmem.errors import KVMemError
+from kvmem_bench.records import git_commit, now, uncommitted_changes
+from kvmem_bench.serve.harness import (knowledge_base, load_tokenizer, one_request, question, question_list, scrape_metrics,
+                                       serving, tree_rss_kib)
 
-DATA = Path(__file__).parent / "data"
 RSS_EVERY_S = 0.5
 RETRY_AFTER_CAP_S = 5.0
 ERROR_PAUSE_S = 0.5  # after an error, so a dead server is not hammered in a tight loop
@@ -66,217 +63,6 @@ REPLICA_PROMPTS = 8  # distinct knowledge bases in the replicas phase
 BATCH, BATCHING_TOKENS = 4, 48  # the batching phase: rows, and tokens decoded per row
 KVMEM_OPTIONS = {"ignore_eos": True}  # every phase; with a store, also:
 STORE_OPTIONS = {"use_store": True, "fill_store": True}  # (a server without one refuses them: 400)
-QUESTION_TEMPLATES = (
-    "What does document {i} propose?",
-    "What problem does document {i} address?",
-    "Name one result reported in document {i}.",
-    "Which method is introduced in document {i}?",
-    "What is the main claim of document {i}?",
-    "Does document {i} report experiments? Answer yes or no.",
-    "Summarize document {i} in a few words.",
-    "Who would use the work described in document {i}?",
-)
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-# ---------------------------------------------------------------- the prompts
-
-
-def load_tokenizer(model: str):
-    """The model's tokenizer alone (no weights), to size the system prompt in its tokens."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from kvmem.models import REGISTRY, _converted_folder
-
-    torch.set_num_threads(1)
-    return AutoTokenizer.from_pretrained(_converted_folder(model) if model in REGISTRY else model)
-
-
-def knowledge_base(tokenizer, target_tokens: int = 1500, first: int = 0) -> tuple[str, int, int]:
-    """(system prompt, its tokens, documents in it): whole abstracts in file order from the `first`, numbered, as
-    many as bring the prompt closest to `target_tokens` (at least one)."""
-    from kvmem.calibration import load_abstracts
-
-    abstracts = list(load_abstracts())[first:]
-    count = lambda t: len(tokenizer(t, add_special_tokens=False).input_ids)  # noqa: E731
-    text = ("You are a research assistant. Answer the user's question briefly, using only the documents of this "
-            "knowledge base.")
-    best = None
-    for i, abstract in enumerate(abstracts, 1):
-        text += f"\n\n[Document {i}]\n{abstract}"
-        n = count(text)
-        if best is None or abs(n - target_tokens) < abs(best[1] - target_tokens):
-            best = (text, n, i)
-        if n >= target_tokens:
-            break
-    return best
-
-
-def question_list(n_docs: int) -> list[str]:
-    """The user questions, in the order requests take them: each template about each document, then each
-    hand-written description of an abstract (`data/questions.txt`) as "which document ...?"."""
-    out = [t.format(i=i) for t in QUESTION_TEMPLATES for i in range(1, n_docs + 1)]
-    for line in (DATA / "questions.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#") and "\t" in line:
-            out.append(f"Which document, if any, is about this: {line.split(chr(9), 1)[1].strip()}?")
-    return out
-
-
-def question(k: int, questions: list[str]) -> str:
-    """The k-th request's question: every request of a phase asks a different one."""
-    q = questions[k % len(questions)]
-    return q if k < len(questions) else f"{q} (request {k})"
-
-
-# ---------------------------------------------------------------- the server process
-
-
-def tree_rss_kib(pid: int) -> int | None:
-    """VmRSS of `pid` and its descendants (several workers are child processes), KiB; None once it is gone."""
-    total, seen, todo = 0, set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            if p == pid:
-                return None
-    return total
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8", "replace")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """`name{labels}` -> value of each sample line of a Prometheus text exposition."""
-    out = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "}" in line:  # the value follows the labels' closing brace
-            cut = line.rindex("}") + 1
-            name, rest = line[:cut], line[cut:]
-        else:
-            name, _, rest = line.partition(" ")
-        try:
-            out[name.strip()] = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-    return out
-
-
-def scrape_metrics(base: str) -> dict:
-    """/metrics as parsed samples (and the HTTP status), or the error that prevented it."""
-    try:
-        status, text = _get(f"{base}/metrics")
-    except OSError as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-    return {"status": status, "values": parse_prometheus(text) if status == 200 else {}, "bytes": len(text)}
-
-
-@contextmanager
-def serving(model: str, store: str | None, log_path: Path, threads: int = 1, workers: int = 1, queue: int = 16,
-            timeout: float = 120, health_timeout_s: float = 600) -> Iterator[dict]:
-    """`kvmem serve` on a free loopback port (`kvmem.serve.local.LocalServer`), until /health answers 200; yields
-    its description (command, pid, base URL, health body). Stopped on the way out, whatever happened."""
-    from kvmem.serve.local import LocalServer
-
-    args = ["--workers", str(workers), "--queue", str(queue), "--threads", str(threads), "--timeout", f"{timeout:g}"]
-    args += ["--store", store] if store else []
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.unlink(missing_ok=True)
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.monotonic()
-    with LocalServer(args, model, log_path, health_timeout_s, env) as server:
-        health = json.loads(_get(f"{server.url}/health")[1])
-        served = [m["id"] for m in json.loads(_get(f"{server.url}/v1/models")[1])["data"]]
-        yield dict(argv=server.argv, command=server.command, pid=server.pid, port=server.port, base=server.url,
-                   health=health, ready_s=round(time.monotonic() - t0, 2), served_models=served, log=log_path.name)
-
-
-# ---------------------------------------------------------------- the clients
-
-
-async def one_request(client, model: str, system: str, user: str, max_tokens: int, options: dict,
-                      token_times: bool = False, until: float | None = None, rec: dict | None = None,
-                      extra_body: dict | None = None) -> dict:
-    """One streaming chat completion, timed (with `token_times`, every content chunk's arrival too, `chunk_s`).
-    At `until` (a `time.perf_counter()` instant) the stream is closed, status "cut". Never raises: a failure is the
-    record's status and error. `rec`: the dict to fill (a caller that cancels the request keeps what arrived).
-    `extra_body` replaces `{"kvmem": options}` (another server's own parameters)."""
-    import openai
-
-    rec = rec if rec is not None else {}
-    rec |= dict(status="ok", error=None, ttft_s=None, latency_s=None, prompt_tokens=None, completion_tokens=None,
-               cached_tokens=None, finish_reason=None, text="", retry_after_s=None)
-    parts = []
-    t0 = time.perf_counter()
-    try:
-        stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-            stream=True, stream_options={"include_usage": True}, temperature=0, max_tokens=max_tokens,
-            extra_body=extra_body if extra_body is not None else {"kvmem": options})
-        async for chunk in stream:
-            if until is not None and time.perf_counter() > until:
-                rec["status"], rec["completion_tokens"] = "cut", len(rec.get("chunk_s", parts))
-                await stream.close()
-                break
-            for choice in chunk.choices or []:
-                if choice.delta is not None and choice.delta.content:
-                    if rec["ttft_s"] is None:
-                        rec["ttft_s"] = time.perf_counter() - t0
-                    if token_times:
-                        rec.setdefault("chunk_s", []).append(round(time.perf_counter() - t0, 4))
-                    parts.append(choice.delta.content)
-                if choice.finish_reason:
-                    rec["finish_reason"] = choice.finish_reason
-            if chunk.usage is not None:
-                rec["prompt_tokens"], rec["completion_tokens"] = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
-                details = chunk.usage.prompt_tokens_details
-                rec["cached_tokens"] = getattr(details, "cached_tokens", None) if details is not None else None
-        if rec["status"] == "cut":
-            pass
-        elif rec["ttft_s"] is None:
-            rec["status"], rec["error"] = "error", "the stream ended without a content chunk"
-        elif rec["completion_tokens"] is None:
-            rec["status"], rec["error"] = "error", "the stream ended without a usage chunk"
-    except openai.RateLimitError as e:
-        rec["status"], rec["error"] = "429", _status_message(e)
-        try:
-            rec["retry_after_s"] = float(e.response.headers.get("retry-after"))
-        except (TypeError, ValueError):
-            rec["retry_after_s"] = None
-    except openai.APIStatusError as e:
-        rec["status"], rec["error"] = "error", _status_message(e)
-    except Exception as e:  # noqa: BLE001 - connection, timeout, a broken stream: the record says which
-        rec["status"], rec["error"] = "error", f"{type(e).__name__}: {e}"[:500]
-    rec["latency_s"] = time.perf_counter() - t0
-    rec["text"] = "".join(parts)
-    return rec
-
-
-def _status_message(e) -> str:
-    try:
-        body = e.response.text
-    except Exception:  # noqa: BLE001 - a streamed body may not be readable any more
-        body = str(e)
-    return f"HTTP {e.status_code}: {body}"[:500]
 
 
 async def _sample_rss(pid: int, t0: float, samples: list, stop: asyncio.Event) -> None:
@@ -379,26 +165,9 @@ def redis_outage(redis, at_s: float, down_s: float, log=print) -> Callable:
 # ---------------------------------------------------------------- the suite
 
 
-def _git_commit() -> str:
-    from kvmem_bench.longctx import git_commit
-
-    return git_commit()
-
-
-def _git_dirty() -> bool | None:
-    """Whether the code differs from the commit (results/ aside: a benchmark writes its own results as it runs)."""
-    try:
-        r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)results"],
-                           capture_output=True, text=True,
-                           cwd=Path(__file__).parent, timeout=5)
-        return bool(r.stdout.strip()) if r.returncode == 0 else None
-    except OSError:
-        return None
-
-
 def default_command(out: Path, clients: int, duration_s: float, soak_s: float, redis_down_s: float | None,
                     threads: int, model: str) -> str:
-    cmd = ["python", "-m", "kvmem_bench.load", "--out", str(out), "--model", model, "--clients", str(clients),
+    cmd = ["python", "-m", "kvmem_bench.serve.runner", "--out", str(out), "--model", model, "--clients", str(clients),
            "--duration", f"{duration_s:g}", "--soak", f"{soak_s:g}", "--threads", str(threads)]
     if redis_down_s is not None:
         cmd += ["--redis-down", f"{redis_down_s:g}"]
@@ -413,8 +182,8 @@ def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, dur
     """Run the phases (store on, store off, soak; each its own `kvmem serve`, one after another), write
     OUT/load.json after each and OUT/report.md at the end; returns the report's path. `soak_s` 0 skips the soak;
     the outage starts a third of the way into it and lasts `redis_down_s` (default min(20 s, a third of it)).
-    `command` is what the report says produced it (default: the `python -m kvmem_bench.load` equivalent)."""
-    from kvmem_bench.load_report import write_report
+    `command` is what the report says produced it (default: the `python -m kvmem_bench.serve.runner` equivalent)."""
+    from kvmem_bench.serve.report import write_report
 
     out = Path(out)
     if unknown := set(phases) - set(PHASES):
@@ -437,7 +206,7 @@ def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, dur
     questions = question_list(n_docs)
     result = dict(
         command=command or default_command(out, clients, duration_s, soak_s, redis_down_s, threads, model),
-        commit=_git_commit(), uncommitted_changes=_git_dirty(), started=_now(), finished=None,
+        commit=git_commit(), uncommitted_changes=uncommitted_changes(), started=now(), finished=None,
         host=dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version()),
         config=dict(model=model, clients=clients, duration_s=duration_s, soak_s=soak_s, redis_down_s=down_s,
                     redis_down_at_s=soak_s / 3, max_tokens=max_tokens, temperature=0, threads=threads, workers=workers,
@@ -480,7 +249,7 @@ def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, dur
                 store, seconds = redis.url, soak_s
                 during = redis_outage(redis, soak_s / 3, down_s, log)
             log(f"{name}: kvmem serve --store {store or '(none)'}")
-            started = _now()
+            started = now()
             with serving(model, store, out / f"server-{name}.log", threads, workers, queue, timeout, health_timeout_s) as srv:
                 log(f"  ready in {srv['ready_s']:.1f} s (pid {srv['pid']}, port {srv['port']})")
                 served = model if not srv["served_models"] or model in srv["served_models"] else srv["served_models"][0]
@@ -489,7 +258,7 @@ def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, dur
                 run = asyncio.run(drive(srv["base"], srv["pid"], served, system, questions, clients, seconds, max_tokens,
                                         timeout + 30, options, during, log))
                 metrics_end = scrape_metrics(srv["base"])
-            phase = dict(name=name, store=store, kvmem_options=options, started=started, finished=_now(),
+            phase = dict(name=name, store=store, kvmem_options=options, started=started, finished=now(),
                          duration_s=seconds, server=srv, metrics_start=metrics_start, metrics_end=metrics_end, **run)
             phase.update(phase.pop("events") or {})
             result["phases"][name] = phase
@@ -503,7 +272,7 @@ def run_load_suite(out: Path, model: str = "smollm2-135m", clients: int = 4, dur
     finally:
         if redis is not None:
             redis.kill()
-        result["finished"] = _now()
+        result["finished"] = now()
         save()
     return write_report(out)
 
@@ -521,7 +290,7 @@ def replicas_phase(out: Path, model: str, tokenizer, n_system: int, system_token
         systems.append(text)
         first += n_docs
     log(f"replicas: two kvmem serve --store memory,redis://... on one redis-server, {len(systems)} knowledge bases")
-    started = _now()
+    started = now()
     with LocalRedis() as redis:
         store = f"memory,{redis.url}"
         with serving(model, store, out / "server-replica-a.log", threads, workers, queue, timeout, health_timeout_s) as a, \
@@ -529,7 +298,7 @@ def replicas_phase(out: Path, model: str, tokenizer, n_system: int, system_token
             pairs = asyncio.run(replica_pairs(a["base"], b["base"], model, systems, questions, max_tokens, timeout + 30,
                                               KVMEM_OPTIONS | STORE_OPTIONS, log))
             metrics = {"a": scrape_metrics(a["base"]), "b": scrape_metrics(b["base"])}
-    return dict(name="replicas", store="memory,redis://(local)", started=started, finished=_now(), servers=[a, b],
+    return dict(name="replicas", store="memory,redis://(local)", started=started, finished=now(), servers=[a, b],
                 pairs=pairs, metrics_end=metrics)
 
 
@@ -567,7 +336,7 @@ def batching_phase(model: str, system: str, threads: int, repeats: int = 3, log=
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m kvmem_bench.load", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvmem_bench.serve.runner", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/serve"))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--clients", type=int, default=4)
@@ -582,7 +351,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--timeout", type=float, default=120)
     p.add_argument("--phases", default=",".join(PHASES))
     args = p.parse_args(argv)
-    command = shlex.join(["python", "-m", "kvmem_bench.load", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "kvmem_bench.serve.runner", *(sys.argv[1:] if argv is None else argv)])
     report = run_load_suite(args.out, args.model, args.clients, args.duration, args.soak, args.redis_down, args.max_tokens,
                             args.system_tokens, args.threads, args.workers, args.queue, args.timeout,
                             phases=tuple(s.strip() for s in args.phases.split(",") if s.strip()), command=command)
