@@ -16,6 +16,11 @@ class APIError(Exception):
             status, message, type, param, code, headers)
 
 
+def fail(status: int, message: str, type: str = "invalid_request_error", **kw) -> None:
+    """Refuse the request: an OpenAI-style error with this status (`param` names the field at fault)."""
+    raise APIError(status, message, type, **kw)
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 

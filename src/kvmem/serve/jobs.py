@@ -1,0 +1,131 @@
+"""A request body made into a `Job` for the engine: the model checked, kvmem's options resolved against the server's
+defaults and validated, sampling limits, the prompt built (chat template, documents, token ids) and its length
+checked against the model's context. Every refusal is an `APIError` naming the request's field."""
+
+from __future__ import annotations
+
+from kvmem.errors import KVMemError
+from kvmem.prompts import Prompt, chat_prompt
+from kvmem.serve.engine import REUSE_MODES, Job, Options, Sampling
+from kvmem.serve.schemas import ChatRequest, CompletionRequest, Generation, KVMemOptions, fail, refuse_unsupported
+from kvmem.serve.state import Server
+
+DOC_END = "\n\n"  # after each document, as in the RAG benchmark
+
+
+def check_model(server: Server, name: str) -> None:
+    if name != server.lm.name:
+        fail(404, f"the model {name!r} does not exist here; this server serves {server.lm.name!r}", param="model",
+             code="model_not_found")
+
+
+def options(server: Server, body: Generation) -> Options:
+    """kvmem's options of this request: its `kvmem` object over the server's defaults, checked."""
+    from kvmem.compress import get_method
+    from kvmem.quant import get_scheme
+
+    defaults, k = server.defaults, body.kvmem or KVMemOptions()
+    o = Options(**{f: getattr(k, f) if getattr(k, f, None) is not None else getattr(defaults, f)
+                   for f in Options.__dataclass_fields__})
+    o.ignore_eos = k.ignore_eos or defaults.ignore_eos
+    if not 0.0 < o.keep_ratio <= 1.0:
+        fail(400, f"keep_ratio must be in (0, 1] (the fraction of the KV cache kept); got {o.keep_ratio}",
+             param="kvmem.keep_ratio")
+    try:
+        get_method(o.method)
+        if o.quant:
+            get_scheme(o.quant)
+    except KVMemError as e:
+        fail(400, str(e), param="kvmem.method" if "method" in str(e) else "kvmem.quant")
+    if o.method.split(":")[0] == "full" and o.keep_ratio < 1.0:
+        fail(400, "method 'full' keeps every token: give keep_ratio 1.0 or another method", param="kvmem.keep_ratio")
+    if o.reuse not in REUSE_MODES:
+        fail(400, f"unknown reuse mode {o.reuse!r}; choose from {', '.join(REUSE_MODES)}", param="kvmem.reuse")
+    if o.reuse != "prefix":
+        if not k.documents:
+            fail(400, f"reuse={o.reuse} assembles documents: give them in kvmem.documents", param="kvmem.documents")
+        if o.method != "full" and o.keep_ratio < 1.0 or o.quant:
+            fail(400, f"reuse={o.reuse} does not compress; use reuse=prefix with a method", param="kvmem.reuse")
+    if (o.use_store or o.fill_store) and server.store is None and body.kvmem and (body.kvmem.use_store or
+                                                                                  body.kvmem.fill_store):
+        fail(400, "this server has no store (start it with --store)", param="kvmem.use_store")
+    return o
+
+
+def sampling(server: Server, body: Generation, limit: int | None) -> Sampling:
+    if body.n > server.max_n:
+        fail(400, f"n={body.n} is more than the {server.max_n} choices this server computes per request", param="n")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4 or any(not s for s in stop):
+        fail(400, "stop takes up to 4 non-empty strings", param="stop")
+    return Sampling(limit or server.max_tokens, body.temperature, body.top_p, body.seed, stop, body.n)
+
+
+def encode(server: Server, text: str) -> list[int]:
+    return server.lm.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def check_length(server: Server, n: int) -> None:
+    lm = server.lm
+    if n >= lm.max_context:
+        fail(400, f"the prompt is {n} tokens; {lm.name} reads at most {lm.max_context} tokens, prompt and "
+                  f"completion together", param="messages", code="context_length_exceeded")
+
+
+def make_job(server: Server, body: Generation, prompt: Prompt, docs: list[list[int]], o: Options,
+             limit: int | None) -> Job:
+    refuse_unsupported(body)
+    check_length(server, len(prompt.ids) + sum(map(len, docs)))
+    timeout = body.kvmem.timeout if body.kvmem and body.kvmem.timeout else server.timeout_s
+    return Job(prompt, sampling(server, body, limit), o, docs, timeout)
+
+
+def chat_job(server: Server, body: ChatRequest) -> Job:
+    """The conversation through the chat template, split before its last message; documents join the reusable
+    context (prefix reuse) or are assembled apart (cacheblend, infoflow)."""
+    check_model(server, body.model)
+    o = options(server, body)
+    messages = []
+    for m in body.messages:
+        content = m.content
+        if isinstance(content, list):
+            if any(p.get("type") != "text" for p in content):
+                fail(400, "only text content parts are supported", param="messages")
+            content = "".join(p.get("text", "") for p in content)
+        messages.append({"role": m.role, "content": content or ""})
+    docs = [encode(server, d + DOC_END) for d in (body.kvmem.documents or [])] if body.kvmem else []
+    try:
+        prompt = chat_prompt(server.lm.tokenizer, messages)
+    except KVMemError as e:
+        fail(400, str(e), param="messages")
+    if o.reuse == "prefix" and docs:  # the documents join the reusable context, in the order given
+        prompt = Prompt(prompt.context + [t for d in docs for t in d], prompt.question, prompt.head)
+        docs = []
+    return make_job(server, body, prompt, docs, o, body.max_completion_tokens or body.max_tokens)
+
+
+def completion_job(server: Server, body: CompletionRequest) -> Job:
+    """A raw prompt (text or token ids), its last token the question."""
+    check_model(server, body.model)
+    o = options(server, body)
+    tokenizer = server.lm.tokenizer
+    if body.kvmem and body.kvmem.documents:
+        fail(400, "documents go with /v1/chat/completions", param="kvmem.documents")
+    if o.reuse != "prefix":
+        fail(400, "cacheblend/infoflow reuse goes with /v1/chat/completions and documents", param="kvmem.reuse")
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        if len(p) != 1:
+            fail(400, "one prompt per request (a list of one string, a string, or token ids)", param="prompt")
+        p = p[0]
+    if isinstance(p, str):
+        ids = tokenizer(p, add_special_tokens=True).input_ids
+    else:
+        ids = list(p)
+        if any(not 0 <= t < len(tokenizer) for t in ids):
+            fail(400, f"prompt token ids must be in [0, {len(tokenizer)})", param="prompt")
+    if not ids:
+        fail(400, "the prompt is empty", param="prompt")
+    n_special = len(tokenizer("", add_special_tokens=True).input_ids)
+    prompt = Prompt(ids[:-1], ids[-1:], min(n_special, len(ids) - 1))
+    return make_job(server, body, prompt, [], o, body.max_tokens or 16)  # OpenAI's default max_tokens for completions
