@@ -25,6 +25,14 @@ expected-attention).
   Razor's echo/induction probe, and each streaming head of a full-attention layer keeps one more row, a
   compensation token: the mean key and value of what it dropped, weighted by how many it stands for
   (`evict` adds it; its slot is taken from the head's share).
+* `prefixkv` (PrefixKV, Wang et al. 2024, arXiv 2412.03409): every layer keeps the shortest prefix of its tokens,
+  ranked by score, that holds a fraction p of the layer's score mass (its normalized cumulative curve), with one p
+  for every layer, found by binary search so that the layers together keep the shares' total (the reference's
+  `obtain_cdf_num`, then its proportional rounding). A layer's heads keep the same count; its curve is the heads'
+  mean score per token, as in the reference, when the heads hold the same tokens (after a prefill), and the mean of
+  the heads' own curves when they do not. The reference fits the per-layer ratios on profiled samples and averages
+  them; kvmem searches them for each prompt (the reference's profiling step, on the prompt being compressed).
+  Scores must be attention mass (non-negative); tokens a scorer always keeps (+inf) count first.
 """
 
 from __future__ import annotations
@@ -36,8 +44,8 @@ from torch import Tensor
 
 from kvmem.errors import KVMemError
 
-BUDGETS = ("uniform", "adaptive", "pyramid", "global", "duo", "razor")
-WHOLE_CACHE = ("global", "duo", "razor")  # budgets that compare heads of different layers
+BUDGETS = ("uniform", "adaptive", "pyramid", "global", "duo", "razor", "prefixkv")
+WHOLE_CACHE = ("global", "duo", "razor", "prefixkv")  # budgets that compare heads of different layers
 PROBES = {"duo": "needle-copy", "razor": "echo-induction"}  # how each ranks retrieval heads (retrieval_heads.py)
 STREAMING_MIN = 64
 ADAPTIVE_FLOOR = 0.2
@@ -45,9 +53,10 @@ PYRAMID_BETA = 20
 
 
 def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, list[int]], n_layers: int,
-             head_scores: dict[int, Tensor] | None = None) -> dict[int, list[int]]:
+             head_scores: dict[int, Tensor] | None = None, aligned: dict[int, bool] | None = None) -> dict[int, list[int]]:
     """Tokens each head keeps: {layer: [count per KV head]} for the layers in `scores`. `head_scores` ranks
-    heads for `duo` and `razor` (their probe's retrieval scores per layer)."""
+    heads for `duo` and `razor` (their probe's retrieval scores per layer); `aligned` says which layers' heads hold
+    the same tokens in the same order (`prefixkv` averages their scores per token there)."""
     if budget == "uniform":
         return shares
     if budget == "adaptive":
@@ -63,6 +72,8 @@ def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, lis
         for layer in layers:
             out[layer], i = flat[i:i + len(scores[layer])], i + len(scores[layer])
         return out
+    if budget == "prefixkv":
+        return _prefixkv(scores, shares, aligned or {})
     raise KVMemError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
 
 
@@ -116,3 +127,58 @@ def _retrieval_heads_first(scores: dict[int, list[Tensor]], shares: dict[int, li
     for lh in heads:
         out[lh[0]][lh[1]] = size[lh] if lh in full else max(1, min(size[lh], each - reserve))
     return out
+
+
+def _layer_curve(heads: list[Tensor], aligned: bool) -> tuple[int, Tensor]:
+    """(tokens kept whatever p is, the cumulative share of score mass held by the top 1, 2, ... of the others)."""
+    if any(bool((h < 0).any()) or bool(h.isnan().any()) for h in heads):
+        raise KVMemError("budget=prefixkv sizes layers by their share of attention mass: it needs a scorer whose scores "
+                         "are non-negative (h2o, snapkv, tova, expected-attention, kvzip, ...)")
+
+    def curve(s: Tensor) -> tuple[int, Tensor]:
+        finite = s[~s.isinf()].double()
+        ranked = finite.sort(descending=True).values.cumsum(0)
+        return s.numel() - finite.numel(), ranked / ranked[-1] if ranked.numel() and ranked[-1] > 0 else \
+            torch.linspace(1, finite.numel(), finite.numel(), dtype=torch.double) / max(finite.numel(), 1)
+
+    if aligned:
+        return curve(torch.stack([h.float() for h in heads]).mean(dim=0))
+    parts = [curve(h.float()) for h in heads]
+    longest = max(c.numel() for _, c in parts)
+    padded = torch.stack([torch.cat([c, c.new_ones(longest - c.numel())]) for _, c in parts])
+    return max(m for m, _ in parts), padded.mean(dim=0)
+
+
+def _prefixkv(scores: dict[int, list[Tensor]], shares: dict[int, list[int]], aligned: dict[int, bool]) -> dict[int, list[int]]:
+    """One retention level p for every layer (binary search), each layer keeping the tokens that reach it."""
+    layers = sorted(scores)
+    total = sum(sum(shares[layer]) for layer in layers)
+    size = {layer: min(s.numel() for s in scores[layer]) for layer in layers}
+    heads = {layer: len(scores[layer]) for layer in layers}
+    curves = {layer: _layer_curve(scores[layer], aligned.get(layer, False)) for layer in layers}
+
+    def kept(p: float) -> dict[int, int]:  # per head of each layer: its always-kept tokens + the prefix reaching p
+        out = {}
+        for layer, (must, curve) in curves.items():
+            reach = int(torch.searchsorted(curve, torch.tensor([p], dtype=curve.dtype))[0]) + 1 if curve.numel() else 0
+            out[layer] = min(size[layer], max(1, must + min(reach, curve.numel())))
+        return out
+
+    def count(k: dict[int, int]) -> int:
+        return sum(heads[layer] * n for layer, n in k.items())
+
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # the reference stops within 5 tokens; kvmem rounds to the exact total below
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if count(kept(mid)) <= total else (lo, mid)
+    k = kept(lo)
+    # the reference's last step: scale every layer's count to the exact total, keeping each within [1, size]
+    scale = total / max(count(k), 1)
+    exact = {layer: min(size[layer], max(1.0, n * scale)) for layer, n in k.items()}
+    out = {layer: int(x) for layer, x in exact.items()}
+    for layer in sorted(layers, key=lambda layer: out[layer] - exact[layer]):  # largest remainders first
+        if count(out) + heads[layer] > total:
+            continue
+        if out[layer] < size[layer] and exact[layer] > out[layer]:
+            out[layer] += 1
+    return {layer: [out[layer]] * heads[layer] for layer in layers}
