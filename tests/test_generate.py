@@ -45,11 +45,14 @@ def test_raw_prompts_and_errors(smollm2):
         build_prompt(NoTemplate(), "text", "q?")
 
 
-def test_instruct_model_answers_through_its_template(smollm2):
-    p = build_prompt(smollm2.tokenizer, "Mara Velden grew up in Lisbon. Tomas Novak grew up in Oslo.",
+@pytest.mark.parametrize("name", ["smollm2", "qwen"])
+def test_instruct_model_answers_through_its_template(name, request):
+    lm = request.getfixturevalue(name)
+    p = build_prompt(lm.tokenizer, "Mara Velden grew up in Lisbon. Tomas Novak grew up in Oslo.",
                      "In which city did Tomas Novak grow up?", "Tomas Novak grew up in")
-    cache = KVCache(smollm2.model.config)
-    out = smollm2.tokenizer.decode(decode(smollm2, cache, feed(smollm2, cache, p.ids), 8))
+    assert lm.tokenizer.chat_template  # an instruct model: its own template, from its GGUF
+    cache = KVCache(lm.model.config)
+    out = lm.tokenizer.decode(decode(lm, cache, feed(lm, cache, p.ids), 8))
     assert "Oslo" in out
 
 

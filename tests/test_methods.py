@@ -354,7 +354,7 @@ def test_razor_budget_compensates_what_each_streaming_head_dropped(smollm2, pref
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen", "gemma3"])
 def test_every_method_frees_memory_and_still_generates(name, request):
     lm = request.getfixturevalue(name)
     ids = lm.tokenizer("The quick brown fox jumps over the lazy dog. " * 25).input_ids

