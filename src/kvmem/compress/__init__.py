@@ -19,14 +19,17 @@ from kvmem.compress.q_filters import QFilters
 from kvmem.compress.kvzip import KVzip
 from kvmem.compress.kvzip_head import KVzipHead
 from kvmem.compress.random import Random
+from kvmem.compress.rcstat import RCStat
 from kvmem.compress.snapkv import SnapKV
 from kvmem.compress.streaming_llm import StreamingLLM
 from kvmem.compress.tova import TOVA
+from kvmem.compress.vatp import VATP
 from kvmem.errors import KVMemError
 from kvmem.spec import check_options, parse_spec
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm, KeyDiff,
-                                                        CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead)}
+                                                        CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
+                                                        RCStat)}
 
 
 def get_method(spec: str, **options) -> Method:
