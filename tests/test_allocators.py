@@ -54,6 +54,11 @@ def test_prefixkv_counts_always_kept_tokens_first_and_refuses_signed_scores():
     assert counts[0][0] >= 10 and sum(c[0] for c in counts.values()) == 60
     with pytest.raises(KVMemError, match="prefixkv.*non-negative"):
         allocate("prefixkv", {0: [torch.randn(50)]}, {0: [10]}, 1, aligned={0: True})
+    hidden = torch.cat([torch.rand(40), torch.full((10,), float("-inf"))])  # keys no query could see: no mass
+    assert sum(allocate("prefixkv", {0: [hidden]}, {0: [20]}, 1, aligned={0: True})[0]) == 20
+    for signed in ("knorm", "keydiff", "q-filters"):  # refused when the spec is read, naming the scorer
+        with pytest.raises(KVMemError, match=f"prefixkv.*{signed}'s scores are signed"):
+            get_method(f"{signed}:budget=prefixkv")
 
 
 def kept_positions(cache: KVCache, spec: str, ratio: float) -> list[list[list[int]]]:

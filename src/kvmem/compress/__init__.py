@@ -43,6 +43,9 @@ def get_method(spec: str, **options) -> Method:
         raise KVMemError(f"unknown budget {budget!r} in {spec!r}; choose from {', '.join(BUDGETS)}")
     if sliding not in SLIDING:
         raise KVMemError(f"sliding={sliding!r} in {spec!r}: choose {' or '.join(SLIDING)} (what happens to sliding-window layers)")
+    if budget == "prefixkv" and cls.signed_scores:
+        raise KVMemError(f"budget=prefixkv sizes layers by their share of score mass, and {name}'s scores are signed; "
+                         "use it with a scorer of attention mass (h2o, snapkv, tova, vatp, expected-attention, kvzip, ...)")
     if name == "full" and (budget != "uniform" or sliding != cls.sliding):
         raise KVMemError("method 'full' keeps every token; it takes no budget or sliding option")
     check_options(name, cls, options)

@@ -78,6 +78,7 @@ class Method:
     needs_attention: ClassVar[bool] = False  # needs KVCache(track_attention=True)
     observe_window: ClassVar[int] = 0  # how many recent queries `score` reads
     needs_model: ClassVar[bool] = False  # scores by running the model: compress() needs `context=`
+    signed_scores: ClassVar[bool] = False  # scores may be negative (not a mass): budget=prefixkv refuses the method
     budget: str = "uniform"  # the allocator (budget.py); get_method sets it from the spec
     sliding: str = "compress"  # or "keep": sliding-window layers are left whole (SLIDING)
     options: dict = {}  # the spec's options other than budget and sliding, for `spec`

@@ -32,7 +32,8 @@ expected-attention).
   mean score per token, as in the reference, when the heads hold the same tokens (after a prefill), and the mean of
   the heads' own curves when they do not. The reference fits the per-layer ratios on profiled samples and averages
   them; kvmem searches them for each prompt (the reference's profiling step, on the prompt being compressed).
-  Scores must be attention mass (non-negative); tokens a scorer always keeps (+inf) count first.
+  Scores must be non-negative (a mass): scorers with signed scores (`Method.signed_scores`: knorm, keydiff,
+  q-filters) are refused by `get_method`; tokens a scorer always keeps (+inf) count first, unseen ones (-inf) hold none.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def _retrieval_heads_first(scores: dict[int, list[Tensor]], shares: dict[int, li
 
 def _layer_curve(heads: list[Tensor], aligned: bool) -> tuple[int, Tensor]:
     """(tokens kept whatever p is, the cumulative share of score mass held by the top 1, 2, ... of the others)."""
+    heads = [h.masked_fill(h == float("-inf"), 0.0) for h in heads]  # a key no query could see carries no mass
     if any(bool((h < 0).any()) or bool(h.isnan().any()) for h in heads):
         raise KVMemError("budget=prefixkv sizes layers by their share of attention mass: it needs a scorer whose scores "
                          "are non-negative (h2o, snapkv, tova, expected-attention, kvzip, ...)")

@@ -22,6 +22,7 @@ from kvmem.errors import KVMemError
 
 class KeyDiff(Method):
     name = "keydiff"
+    signed_scores = True  # minus a cosine similarity
 
     def __init__(self, kernel_size: int = 1):
         if kernel_size < 1 or kernel_size % 2 == 0:

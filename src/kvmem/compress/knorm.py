@@ -12,6 +12,7 @@ from kvmem.compress.base import HeadView, Method
 
 class KNorm(Method):
     name = "knorm"
+    signed_scores = True  # minus the key norm
 
     def score(self, head: HeadView) -> Tensor:
         return -head.keys.float().norm(dim=-1)

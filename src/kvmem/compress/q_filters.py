@@ -25,6 +25,7 @@ from kvmem.errors import KVMemError
 
 class QFilters(Method):
     name = "q-filters"
+    signed_scores = True  # a signed projection on the query direction
     needs_model = True
 
     def __init__(self, sequences: int = 4, length: int = 1024, samples: int = 3000, seed: int = 0):
