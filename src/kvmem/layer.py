@@ -331,6 +331,24 @@ class KVLayer(CacheLayerMixin):
         self._keep(indices)
         self.compressed = True
 
+    def refit_rows(self, values: list[Tensor | None], log_weights: list[Tensor | None]) -> None:
+        """Replace, per head, the values of every row held and set the rows' log-weights (None: that head is left
+        as it is): for methods that rebuild the kept rows after eviction (compress/attention_matching.py). Keys and
+        positions stay, so the observation stays aligned."""
+        if self.quant is not None or hasattr(self.rows, "demote"):
+            raise KVMemError("refit rows need full-precision rows; this layer's rows are quantized or mixed precision")
+        heads = self.rows.heads()
+        weights = self.log_weights or [torch.zeros(n, dtype=self.dtype, device=self.device) for n in self.lengths()]
+        new_values, new_weights = [], []
+        for h, ((_, v, p), w, nv, nw) in enumerate(zip(heads, weights, values, log_weights)):
+            if (nv is None) != (nw is None) or (nv is not None and (nv.shape != v.shape or nw.shape != p.shape)):
+                raise KVMemError(f"head {h}: refit values and log-weights must both be given, shaped like its rows")
+            new_values.append(v if nv is None else nv.to(v.dtype))
+            new_weights.append(w if nw is None else nw.to(w.dtype))
+        self.rows = self.rows.with_rows([k for k, _, _ in heads], new_values, [p for _, _, p in heads])
+        self.log_weights = new_weights
+        self.compressed = True
+
     def add_rows(self, rows: list[tuple[Tensor, Tensor, int, float] | None]) -> None:
         """Insert one row per head (key, value, position, log-weight), or nothing where None, in position order.
         The position must be one the head does not hold (e.g. a dropped token's); it has received no attention.

@@ -6,6 +6,7 @@ also takes `sliding=keep` (sliding-window layers are left whole, their window bo
 ratio then applies to the global layers, as kvpress and KVzip's reference do on Gemma-3) or `sliding=compress`.
 """
 
+from kvmem.compress.attention_matching import AttentionMatching
 from kvmem.compress.base import SLIDING, HeadView, Method, ModelContext
 from kvmem.compress.budget import BUDGETS
 from kvmem.compress.curdkv import CurDKV
@@ -29,7 +30,7 @@ from kvmem.spec import check_options, parse_spec
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm, KeyDiff,
                                                         CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
-                                                        RCStat)}
+                                                        RCStat, AttentionMatching)}
 
 
 def get_method(spec: str, **options) -> Method:

@@ -43,6 +43,7 @@ class HeadView:
     attention: Tensor | None  # (group, T) attention accumulated by every query so far, if tracked
     scaling: float
     sliding_window: int | None
+    log_weights: Tensor | None = None  # (T,) the rows' log-weights (KVLayer.log_weights), None: one token each
 
     def query_attention(self, last: int | None = None) -> Tensor:
         """Softmax attention of the last `last` observed queries over this head's keys: (group, last, T)."""
@@ -98,6 +99,12 @@ class Method:
     def select(self, head: HeadView, score: Tensor, n_keep: int) -> Tensor:
         """Indices of the tokens to keep. Default: top-`n_keep` by score."""
         return score.topk(n_keep).indices
+
+    def refit(self, head: HeadView, chosen: Tensor, n: int) -> tuple[Tensor, Tensor] | None:
+        """After selection, new values (len(chosen), head_dim) and log-weights (len(chosen),) for the kept rows
+        `chosen` (sorted indices into the first `n` rows of `head`, the compressible ones; rows from `n` on are
+        protected and kept as they are). None (the default): the kept rows stay exactly as they were."""
+        return None
 
     @property
     def spec(self) -> str:

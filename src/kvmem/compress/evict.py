@@ -52,8 +52,14 @@ def head_views(layer: KVLayer, layer_idx: int) -> list[HeadView]:
             query_positions=seen.recent_positions if groups else positions[:0],
             attention=seen.head_attention[h] if seen.head_attention is not None else None,
             scaling=seen.scaling or 1.0 / math.sqrt(keys.shape[-1]), sliding_window=layer.sliding_window,
+            log_weights=layer.log_weights[h] if layer.log_weights is not None else None,
         ))
     return views
+
+
+def refits_rows(method: Method) -> bool:
+    """Whether `method` rewrites the kept rows after selection (`Method.refit`)."""
+    return type(method).refit is not Method.refit
 
 
 def _check(method: Method, ratios: list[float], layer: KVLayer, context: ModelContext | None = None) -> None:
@@ -61,6 +67,12 @@ def _check(method: Method, ratios: list[float], layer: KVLayer, context: ModelCo
         raise KVMemError("method 'full' keeps every token; its keep ratio must be 1.0")
     if method.budget not in BUDGETS:
         raise KVMemError(f"unknown budget {method.budget!r}; choose from {', '.join(BUDGETS)}")
+    if refits_rows(method) and method.budget == "razor":  # refit log-weights already stand for the dropped tokens
+        raise KVMemError(f"method {method.name!r} refits the kept rows for what was dropped; budget 'razor' would add "
+                         "compensation rows for the same tokens: choose another budget")
+    if refits_rows(method) and (layer.quant is not None or hasattr(layer.rows, "demote")):
+        raise KVMemError(f"method {method.name!r} rewrites the kept rows' values and log-weights; this cache holds "
+                         "quantized or mixed-precision rows: compress a full-precision cache, then quantize it")
     seen = layer.observation
     if method.needs_attention and not seen.track_attention:
         raise KVMemError(f"method {method.name!r} needs the cache built with track_attention=True before prefill")
@@ -125,22 +137,39 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
     compensate = method.budget == "razor" and sum(
         min(c, n) + (c < n and not layers[i].is_sliding) for i in views for c, n in zip(counts[i], sizes[i])
     ) <= sum(map(sum, shares.values()))
+    refits = refits_rows(method)
     for i, layer in layers.items():
-        keep, compensation = [], []
+        keep, compensation, refit = [], [], []
         for view, score, n, n_keep in zip(views[i], scores[i], sizes[i], counts[i]):
             region, protected = torch.arange(n), torch.arange(n, view.positions.numel())
+            fitted = None
             if n_keep >= n:
                 chosen = region
             else:  # slices, not copies: the scorer sees the compressible prefix
                 sub = HeadView(**{**view.__dict__, "keys": view.keys[:n], "values": view.values[:n],
                                   "positions": view.positions[:n],
-                                  "attention": view.attention[:, :n] if view.attention is not None else None})
+                                  "attention": view.attention[:, :n] if view.attention is not None else None,
+                                  "log_weights": view.log_weights[:n] if view.log_weights is not None else None})
                 chosen = method.select(sub, score[:n], n_keep)
+                if refits:  # sorted, so the refit rows line up with the kept rows keep_only leaves in position order
+                    chosen = chosen.sort().values
+                    fitted = method.refit(view, chosen, n)
             keep.append(torch.cat([chosen, protected]))
+            refit.append(fitted if fitted is None else (torch.cat([fitted[0], view.values[n:].to(fitted[0].dtype)]),
+                                                        torch.cat([fitted[1], _weights(view)[n:]])))
             compensation.append(_compensation(view, region, chosen) if compensate and not layer.is_sliding else None)
         layer.keep_only(keep)
+        if any(r is not None for r in refit):
+            layer.refit_rows([r if r is None else r[0] for r in refit], [r if r is None else r[1] for r in refit])
         if any(row is not None for row in compensation):
             layer.add_rows(compensation)
+
+
+def _weights(view: HeadView) -> Tensor:
+    """The head's row log-weights, zeros where each row is one token."""
+    if view.log_weights is not None:
+        return view.log_weights.float()
+    return torch.zeros(view.positions.numel(), dtype=torch.float32, device=view.keys.device)
 
 
 def _compensation(view: HeadView, region: Tensor, chosen: Tensor) -> tuple[Tensor, Tensor, int, float] | None:
