@@ -10,11 +10,13 @@ from kvmem.compress.attention_matching import AttentionMatching
 from kvmem.compress.base import SLIDING, HeadView, Method, ModelContext
 from kvmem.compress.budget import BUDGETS
 from kvmem.compress.curdkv import CurDKV
+from kvmem.compress.dapq import DapQ
 from kvmem.compress.evict import CompressionResult, Compressor, compress
 from kvmem.compress.expected_attention import ExpectedAttention
 from kvmem.compress.full import Full
 from kvmem.compress.h2o import H2O
 from kvmem.compress.keydiff import KeyDiff
+from kvmem.compress.keyformer import Keyformer
 from kvmem.compress.knorm import KNorm
 from kvmem.compress.q_filters import QFilters
 from kvmem.compress.kvzip import KVzip
@@ -30,7 +32,7 @@ from kvmem.spec import check_options, parse_spec
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm, KeyDiff,
                                                         CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
-                                                        RCStat, AttentionMatching)}
+                                                        RCStat, AttentionMatching, Keyformer, DapQ)}
 
 
 def get_method(spec: str, **options) -> Method:
