@@ -38,13 +38,20 @@ def test_the_benchmark_check_finds_an_import(graph):
     assert BENCHMARK in graph.find_modules_directly_imported_by("kvmem.generate")
 
 
-def test_the_product_has_no_import_circle(graph):
-    product = product_modules(graph)
-    order = TopologicalSorter({m: graph.find_modules_directly_imported_by(m) & product for m in product})
+def import_order(graph, modules: set[str]) -> TopologicalSorter:
+    """The modules ordered by their imports among themselves; `prepare()` raises CycleError on a circle."""
+    return TopologicalSorter({m: graph.find_modules_directly_imported_by(m) & modules for m in modules})
+
+
+def assert_no_circle(graph, modules: set[str]) -> None:
     try:
-        order.prepare()
+        import_order(graph, modules).prepare()
     except CycleError as e:
         pytest.fail("import circle: " + " -> ".join(e.args[1]))
+
+
+def test_the_product_has_no_import_circle(graph):
+    assert_no_circle(graph, product_modules(graph))
 
 
 def test_the_circle_check_finds_a_circle(graph):
@@ -53,7 +60,7 @@ def test_the_circle_check_finds_a_circle(graph):
     graph.add_import(importer="kvmem.rows", imported="kvmem.serve.scheduler", line_number=1, line_contents="import")
     product = product_modules(graph)
     with pytest.raises(CycleError):
-        TopologicalSorter({m: graph.find_modules_directly_imported_by(m) & product for m in product}).prepare()
+        import_order(graph, product).prepare()
 
 
 # (lower, upper): the lower never reaches the upper, directly or through others. `pkg.*` stands for every module of
@@ -92,12 +99,7 @@ def bench_graph():
 
 
 def test_the_benchmark_has_no_import_circle(bench_graph):
-    modules = bench_graph.modules
-    order = TopologicalSorter({m: bench_graph.find_modules_directly_imported_by(m) & modules for m in modules})
-    try:
-        order.prepare()
-    except CycleError as e:
-        pytest.fail("import circle: " + " -> ".join(e.args[1]))
+    assert_no_circle(bench_graph, bench_graph.modules)
 
 
 def test_reports_read_results_and_never_run_a_benchmark(bench_graph):
@@ -117,5 +119,5 @@ def test_the_benchmark_checks_find_a_circle_and_a_report_running_a_benchmark(ben
                      line_contents="import")  # the runner writes its report, which reads the scores: a circle now
     modules = graph.modules
     with pytest.raises(CycleError):
-        TopologicalSorter({m: graph.find_modules_directly_imported_by(m) & modules for m in modules}).prepare()
+        import_order(graph, modules).prepare()
     assert graph.find_shortest_chain(importer=f"{BENCHMARK}.longctx.report", imported=f"{BENCHMARK}.longctx.runner")
