@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 KVMEM  := $(VENV)/bin/kvmem
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve bench-batching race race-setup clean
+.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve bench-batching bench-longgen race race-setup clean
 
 $(STAMP): pyproject.toml bench/pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -46,6 +46,7 @@ bench: setup
 	$(MAKE) -j2 bench-smollm2 bench-gemma
 	$(MAKE) -j2 bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve
 	$(MAKE) bench-batching
+	$(MAKE) bench-longgen
 	$(PY) -m kvmem_bench.readme  # every benchmark's README block
 
 bench-smollm2: setup
@@ -124,6 +125,16 @@ bench-batching: setup
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,kivi-8 --cross kivi-4,kivi-8 --parts tasks --methods kvzip --ratios 0.25,0.5 --samples 10 --threads 2 --out results/batching/scores
 	$(KVMEM) eval --suite batching --parts memory,steps --threads 2 --out results/batching
 	$(PY) -m kvmem_bench.readme batching
+
+# Long outputs (issue 35): decode-phase compression (h2o, tova evict every decoded token: every=1) while Qwen copies a
+# 24-entry list from its prompt (its full cache copies it whole; SmolLM2's does not), and SmolLM2's streaming perplexity
+# of a held-out 512-token continuation. About 2 h (copy) + 0.5 h (perplexity) on 1 thread.
+LONGGEN_METHODS := streaming-llm,h2o,tova
+LONGGEN := --methods $(LONGGEN_METHODS) --ratios 0.25 --every 1 --samples 30 --texts 10 --threads 1 --out results/longgen
+bench-longgen: setup
+	$(KVMEM) eval --suite longgen --models qwen2.5-coder-0.5b --parts copy $(LONGGEN)
+	$(KVMEM) eval --suite longgen --models smollm2-135m --parts ppl $(LONGGEN)
+	$(PY) -m kvmem_bench.readme longgen
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first samples a task that

@@ -55,11 +55,12 @@ def demo(
 
 
 RATIOS_DEFAULT = "1.0,0.5,0.25,0.1"
+PARTS_DEFAULT = "ppl,decode,tasks"
 
 
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow), serve (kvmem serve under load: store on / off, two replicas on one Redis, a soak with Redis restarted) or batching (continuous batching: throughput against concurrency beside transformers serve, and the memory-bound case)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow), serve (kvmem serve under load: store on / off, two replicas on one Redis, a soak with Redis restarted), batching (continuous batching: throughput against concurrency beside transformers serve, and the memory-bound case) or longgen (decode-phase compression on long outputs: a 280-token copy task and streaming perplexity)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's)."),
@@ -74,8 +75,9 @@ def eval_(
     raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
     cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
-    parts: str = typer.Option("ppl,decode,tasks", help="quant: which parts to run (ppl, decode, tasks); reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
-    texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens)."),
+    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
+    texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens); longgen: streaming perplexity texts."),
+    every: int = typer.Option(16, help="longgen: decoded tokens between re-compressions (Compressor's every=N)."),
     codecs: Optional[str] = typer.Option(None, help="reuse: comma-separated store codecs (default: raw, quant:kivi-8/4/2, cachegen)."),
     clients: int = typer.Option(4, help="serve: concurrent clients."),
     duration: float = typer.Option(120, help="serve: seconds of load with the store on, then off."),
@@ -155,6 +157,19 @@ def eval_(
                                     command=shlex.join(["kvmem", *sys.argv[1:]]), log=console.print)
         console.print(f"report: {report}")
         return
+    if suite == "longgen":
+        from kvmem.models import load_model
+        from kvmem_bench.longgen.report import write_report
+        from kvmem_bench.longgen.runner import LongGenConfig, run_longgen_suite
+
+        cfg = LongGenConfig(model=_csv(models)[0], every=every, samples=samples, texts=texts, out=out or Path("results/longgen"),
+                            **({"methods": _csv(methods)} if methods else {}),
+                            **({"ratios": _csv(ratios, float)} if ratios != RATIOS_DEFAULT else {}),
+                            **({"parts": _csv(parts)} if parts != PARTS_DEFAULT else {}))
+        cfg.validate()
+        run_longgen_suite(load_model(cfg.model), cfg, log=console.print)
+        console.print(f"report: {write_report(cfg.out)}")
+        return
     if suite == "quant":
         from kvmem_bench.quant.runner import QuantConfig, default_schemes, run_quant
 
@@ -172,7 +187,7 @@ def eval_(
     from kvmem_bench.longctx.runner import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
-        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag, serve, batching")
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag, serve, batching, longgen")
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),

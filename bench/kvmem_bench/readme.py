@@ -18,12 +18,13 @@ def reports() -> dict[str, ModuleType]:
     """Benchmark name -> its report module, in the README's order."""
     from kvmem_bench.batching import report as batching
     from kvmem_bench.longctx import report as longctx
+    from kvmem_bench.longgen import report as longgen
     from kvmem_bench.quant import report as quant
     from kvmem_bench.retrieval import report as retrieval
     from kvmem_bench.reuse import report as reuse
     from kvmem_bench.serve import report as serve
 
-    return {"longctx": longctx, "retrieval": retrieval, "quant": quant, "reuse": reuse, "serve": serve,
+    return {"longctx": longctx, "longgen": longgen, "retrieval": retrieval, "quant": quant, "reuse": reuse, "serve": serve,
             "batching": batching}
 
 
