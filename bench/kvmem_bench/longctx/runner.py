@@ -101,10 +101,11 @@ class Prefilled:
 
 
 def prefill_sample(lm: LoadedModel, sample, settings: tuple[str, ...] = SETTINGS, raw_prompt: bool = False,
-                   track: bool = True) -> Prefilled:
-    """The sample's context prefilled once (attention tracked if `track`: h2o needs it, and it costs)."""
+                   track: bool = True, window: int = 64) -> Prefilled:
+    """The sample's context prefilled once (attention tracked if `track`: h2o needs it, and it costs), keeping the
+    last `window` queries (every scorer reads only its own last ones, so a longer window changes no other score)."""
     prompt = build_prompt(lm.tokenizer, sample.context, sample.question, sample.answer_prefix, raw=raw_prompt)
-    base = KVCache(lm.model.config, observe_window=64, track_attention=track)
+    base = KVCache(lm.model.config, observe_window=max(64, window), track_attention=track)
     t0 = time.perf_counter()
     feed(lm, base, prompt.context)
     prefill_s = time.perf_counter() - t0
@@ -153,7 +154,9 @@ def run_sample(lm: LoadedModel, sample, methods: list[str], ratios: list[float],
                settings: tuple[str, ...] = SETTINGS, raw_prompt: bool = False) -> list[dict]:
     """Prefill one sample's context once, then answer with every (setting, method, ratio) on copies."""
     track = any(get_method(m).needs_attention for m in methods)
-    return answer_configs(lm, sample, prefill_sample(lm, sample, settings, raw_prompt, track), _configs(methods, ratios))
+    window = max(get_method(m).observe_window for m in methods)
+    return answer_configs(lm, sample, prefill_sample(lm, sample, settings, raw_prompt, track, window),
+                          _configs(methods, ratios))
 
 
 def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) -> list[dict]:
@@ -212,7 +215,8 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
         sweep = _configs([m for m in missing if m != "full"], cfg.ratios)[1:]
         # tracked only when a method needs it (h2o): a method added later without it gets the cheaper prefill
         pre = prefill_sample(lm, samples[i], raw_prompt=cfg.raw_prompt,
-                             track=any(get_method(m).needs_attention for m in missing))
+                             track=any(get_method(m).needs_attention for m in missing),
+                             window=max(get_method(m).observe_window for m in missing))
         if "full" not in missing:  # screened in an earlier run: only the methods added since
             write(i, answer_configs(lm, samples[i], pre, sweep))
             continue

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvmem_bench.longgen import FULL
+from kvmem_bench.longgen.copy import copy_sample, copy_score
 from kvmem_bench.perplexity import delta_ppl
 from kvmem_bench.records import read_records
 from kvmem_bench.stats import bootstrap_mean, paired_difference
@@ -53,8 +54,9 @@ def copy_rows(records: list[dict]) -> dict[tuple, list[dict]]:
     """(model, every) -> one row per (method, ratio) on the samples every cell of that model has."""
     by = defaultdict(dict)
     for r in records:
-        if r["part"] == "copy":
-            by[(r["model"], r["every"])][(r["method"], r["keep_ratio"], r["sample"])] = r
+        if r["part"] == "copy":  # scored again from its output: the check is the one in copy.py now
+            by[(r["model"], r["every"])][(r["method"], r["keep_ratio"], r["sample"])] = {
+                **r, "score": copy_score(copy_sample(r["sample"])[2], r["output"])}
     out = {}
     for key, recs in by.items():
         cells = sorted({(m, k) for m, k, _ in recs}, key=lambda c: (c[0] != FULL, -c[1], c[0]))

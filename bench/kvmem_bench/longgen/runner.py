@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +14,9 @@ from kvmem.errors import KVMemError
 from kvmem.forward import feed
 from kvmem.generate import end_ids
 from kvmem.prompts import build_prompt
-from kvmem_bench.longctx.haystack import ADJECTIVES, NOUNS
 from kvmem_bench.longctx.tasks import perplexity_text
-from kvmem_bench.longgen import FULL, ITEMS, PARTS
+from kvmem_bench.longgen import FULL, PARTS
+from kvmem_bench.longgen.copy import copy_sample, copy_score
 from kvmem_bench.records import append_record, git_commit, read_records
 
 
@@ -45,25 +44,6 @@ class LongGenConfig:
         for spec in self.methods:
             Compressor(get_method(spec), 0.5, self.every)  # a named error for methods that cannot run in the cache
         self.methods = [get_method(m).spec for m in self.methods]
-
-
-def copy_sample(i: int) -> tuple[str, str, list[str]]:
-    """The i-th copy prompt: (document, instruction, entries), the same on every tokenizer."""
-    rng = random.Random(f"copy:{i}")
-    entries: list[str] = []
-    while len(entries) < ITEMS:
-        entry = f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}: {rng.randrange(1000, 10000)}"
-        if entry not in entries:
-            entries.append(entry)
-    document = "Inventory list:\n" + "\n".join(f"{k + 1}. {e}" for k, e in enumerate(entries))
-    instruction = f"Copy the inventory list above exactly, every line in order, from 1 to {ITEMS}. Write nothing else."
-    return document, instruction, entries
-
-
-def copy_score(entries: list[str], output: str) -> float:
-    """Fraction of `entries` that appear as an output line (its leading "N. " aside, case and spaces ignored)."""
-    lines = {" ".join(line.split(". ", 1)[-1].casefold().split()) for line in output.splitlines()}
-    return sum(" ".join(e.casefold().split()) in lines for e in entries) / len(entries)
 
 
 def _cache(lm, spec: str, ratio: float, every: int) -> KVCache:
