@@ -126,11 +126,12 @@ bench-batching: setup
 	$(KVMEM) eval --suite batching --parts memory,steps --threads 2 --out results/batching
 	$(PY) -m kvmem_bench.readme batching
 
-# Long outputs (issue 35): decode-phase compression (h2o, tova evict every decoded token: every=1) while Qwen copies a
-# 24-entry list from its prompt (its full cache copies it whole; SmolLM2's does not), and SmolLM2's streaming perplexity
-# of a held-out 512-token continuation. About 2 h (copy) + 0.5 h (perplexity) on 1 thread.
+# Long outputs (issue 35): decode-time compression at one budget for all: the prompt kept whole, then every decoded token
+# (every=1, as H2O and TOVA evict) each head back to the prompt + 64 rows, while Qwen copies a 24-entry list from its
+# prompt (its full cache copies it whole; SmolLM2's does not), and SmolLM2's streaming perplexity of a held-out
+# 512-token continuation. About 2 h (copy) + 0.5 h (perplexity) on 1 thread.
 LONGGEN_METHODS := streaming-llm,h2o,tova
-LONGGEN := --methods $(LONGGEN_METHODS) --ratios 0.25 --every 1 --samples 30 --texts 10 --threads 1 --out results/longgen
+LONGGEN := --methods $(LONGGEN_METHODS) --ratios 1.0 --every 1 --extra-rows 64 --samples 30 --texts 10 --threads 1 --out results/longgen
 bench-longgen: setup
 	$(KVMEM) eval --suite longgen --models qwen2.5-coder-0.5b --parts copy $(LONGGEN)
 	$(KVMEM) eval --suite longgen --models smollm2-135m --parts ppl $(LONGGEN)

@@ -34,8 +34,8 @@ def test_fidelity_and_repetition_measures():
 
 def test_a_short_run_records_both_parts_and_reports_them(smollm2, tmp_path):
     out = tmp_path / "longgen"
-    cfg = LongGenConfig(model="smollm2-135m", methods=["h2o"], ratios=[0.25], every=4, samples=1, texts=1, context=128,
-                        continuation=24, out=out)
+    cfg = LongGenConfig(model="smollm2-135m", methods=["h2o"], ratios=[0.25], every=4, extra_rows=16, samples=1, texts=1,
+                        context=128, continuation=24, out=out)
     run_longgen_suite(smollm2, cfg, log=lambda *_: None)
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert {(r["part"], r["method"]) for r in records} == {(p, m) for p in ("copy", "ppl") for m in ("full", "h2o")}
@@ -46,8 +46,12 @@ def test_a_short_run_records_both_parts_and_reports_them(smollm2, tmp_path):
     assert all(len(r["nll"]) == 24 for r in ppl)
     run_longgen_suite(smollm2, cfg, log=lambda *_: None)  # resumes: nothing run twice
     assert len((out / "records.jsonl").read_text().splitlines()) == len(records)
+    cfg.extra_rows = 32  # another setting: its own h2o runs, the full cache's are shared
+    run_longgen_suite(smollm2, cfg, log=lambda *_: None)
+    assert len((out / "records.jsonl").read_text().splitlines()) == len(records) + 2
     report = write_report(out).read_text()
     assert "| h2o @ 0.25 |" in report and "## Streaming perplexity" in report and (out / "longgen.png").exists()
+    assert "prompt kept + 16 rows" in report and "prompt kept + 32 rows" in report
     readme = tmp_path / "README.md"
     readme.write_text("# x\n")
     update_readme("longgen", readme=readme, results=tmp_path)
@@ -56,7 +60,8 @@ def test_a_short_run_records_both_parts_and_reports_them(smollm2, tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(parts=["essay"]), "unknown part 'essay'"),
-    (dict(ratios=[1.0]), "keep ratio must be in"),
+    (dict(ratios=[1.0], extra_rows=0), "keep ratio must be in"),
+    (dict(extra_rows=-3), "extra_rows"),
     (dict(every=0), "every must be"),
     (dict(methods=["kvzip"]), "needs the model"),
     (dict(methods=["snapkv:budget=global"]), "compares heads of all layers"),

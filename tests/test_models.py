@@ -184,6 +184,20 @@ def test_compressor_every_n_steps_keeps_the_prefill_budget(smollm2):
     assert max(max(lens) for lens in cache.tokens_held()) <= budget + 3
 
 
+def test_compressor_extra_rows_keeps_the_prompt_then_holds_it_plus_a_fixed_decode_budget(smollm2):
+    lm = smollm2
+    ids = lm.tokenizer("Once upon a time, " * 10).input_ids
+    cache = KVCache(lm.model.config, track_attention=True, compressor=Compressor(get_method("h2o"), 1.0, every=1, extra_rows=4))
+    lm.model.generate(torch.tensor([ids]), cache=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    # every forward after the prefill ends at the prompt + 4 rows; the last token is generated, not fed
+    assert {n for lens in cache.tokens_held() for n in lens} == {len(ids) + 4}
+    # some prompt rows are gone: h2o chooses among everything held, not only among the generated rows
+    assert any(len(set(range(len(ids))) - set(p.tolist())) for layer in cache.layers for p in layer.head_positions)
+    for bad in (dict(every=0, extra_rows=4), dict(every=1, extra_rows=-1), dict(every=-2)):
+        with pytest.raises(KVMemError, match="every"):
+            Compressor(get_method("h2o"), 1.0, **bad)
+
+
 def test_decoding_stops_when_the_context_is_full(smollm2):
     small = dataclasses.replace(smollm2, max_context=12)
     cache = KVCache(small.model.config)

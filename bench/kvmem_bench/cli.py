@@ -77,7 +77,8 @@ def eval_(
     cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
     parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens); longgen: streaming perplexity texts."),
-    every: int = typer.Option(16, help="longgen: decoded tokens between re-compressions (Compressor's every=N)."),
+    every: int = typer.Option(1, help="longgen: decoded tokens between re-compressions (Compressor's every=N)."),
+    extra_rows: int = typer.Option(64, help="longgen: rows a head may hold beyond what it kept of the prompt (Compressor's extra_rows)."),
     codecs: Optional[str] = typer.Option(None, help="reuse: comma-separated store codecs (default: raw, quant:kivi-8/4/2, cachegen)."),
     clients: int = typer.Option(4, help="serve: concurrent clients."),
     duration: float = typer.Option(120, help="serve: seconds of load with the store on, then off."),
@@ -162,7 +163,7 @@ def eval_(
         from kvmem_bench.longgen.report import write_report
         from kvmem_bench.longgen.runner import LongGenConfig, run_longgen_suite
 
-        cfg = LongGenConfig(model=_csv(models)[0], every=every, samples=samples, texts=texts, out=out or Path("results/longgen"),
+        cfg = LongGenConfig(model=_csv(models)[0], every=every, extra_rows=extra_rows, samples=samples, texts=texts, out=out or Path("results/longgen"),
                             **({"methods": _csv(methods)} if methods else {}),
                             **({"ratios": _csv(ratios, float)} if ratios != RATIOS_DEFAULT else {}),
                             **({"parts": _csv(parts)} if parts != PARTS_DEFAULT else {}))

@@ -50,18 +50,41 @@ def _cell_name(spec: str, ratio: float) -> str:
     return "full" if spec == FULL else f"{spec} @ {ratio:g}"
 
 
-def copy_rows(records: list[dict]) -> dict[tuple, list[dict]]:
-    """(model, every) -> one row per (method, ratio) on the samples every cell of that model has."""
-    by = defaultdict(dict)
+def _setting(key: tuple) -> str:
+    """How the group's methods compress: the prompt at its keep ratio, then every N tokens back to that + extra rows."""
+    return f"{key[0]}, every={key[1]}" + (f", prompt kept + {key[2]} rows" if key[2] else "")
+
+
+def _grouped(records: list[dict], part: str) -> dict[tuple, dict]:
+    """(model, every, extra_rows) -> {(method, ratio, sample): record}, the full cache's records in every group of
+    its model (it compresses nothing, so one run serves every setting)."""
+    groups: dict[tuple, dict] = defaultdict(dict)
+    full: dict[str, dict] = defaultdict(dict)
     for r in records:
-        if r["part"] == "copy":  # scored again from its output: the check is the one in copy.py now
-            by[(r["model"], r["every"])][(r["method"], r["keep_ratio"], r["sample"])] = {
-                **r, "score": copy_score(copy_sample(r["sample"])[2], r["output"])}
+        if r["part"] != part:
+            continue
+        if part == "copy":  # scored again from its output: the check is the one in copy.py now
+            r = {**r, "score": copy_score(copy_sample(r["sample"])[2], r["output"])}
+        if r["method"] == FULL:
+            full[r["model"]][(FULL, 1.0, r["sample"])] = r
+        else:
+            groups[(r["model"], r["every"], r["extra_rows"])][(r["method"], r["keep_ratio"], r["sample"])] = r
+    return {key: {**full[key[0]], **recs} for key, recs in groups.items() if full[key[0]]}
+
+
+def _paired(recs: dict) -> tuple[list[tuple[str, float]], list[int]]:
+    """The group's cells, the full cache first, and the samples every cell has."""
+    cells = sorted({(m, k) for m, k, _ in recs}, key=lambda c: (c[0] != FULL, -c[1], c[0]))
+    samples = sorted(set.intersection(*({s for m, k, s in recs if (m, k) == c} for c in cells)))
+    return cells, samples
+
+
+def copy_rows(records: list[dict]) -> dict[tuple, list[dict]]:
+    """(model, every, extra_rows) -> one row per (method, ratio) on the samples every cell of the group has."""
     out = {}
-    for key, recs in by.items():
-        cells = sorted({(m, k) for m, k, _ in recs}, key=lambda c: (c[0] != FULL, -c[1], c[0]))
-        samples = sorted(set.intersection(*({s for m, k, s in recs if (m, k) == c} for c in cells)))
-        if not samples or (FULL, 1.0) not in cells:
+    for key, recs in _grouped(records, "copy").items():
+        cells, samples = _paired(recs)
+        if not samples:
             continue
         full = [recs[(FULL, 1.0, s)] for s in samples]
         full_bytes = sum(r["mean_kv_bytes"] for r in full) / len(full)
@@ -82,16 +105,11 @@ def copy_rows(records: list[dict]) -> dict[tuple, list[dict]]:
 
 
 def ppl_rows(records: list[dict]) -> dict[tuple, list[dict]]:
-    """(model, every) -> one row per (method, ratio): streaming perplexity and Δppl against the full cache."""
-    by = defaultdict(dict)
-    for r in records:
-        if r["part"] == "ppl":
-            by[(r["model"], r["every"])][(r["method"], r["keep_ratio"], r["sample"])] = r
+    """(model, every, extra_rows) -> one row per (method, ratio): streaming perplexity and Δppl against the full cache."""
     out = {}
-    for key, recs in by.items():
-        cells = sorted({(m, k) for m, k, _ in recs}, key=lambda c: (c[0] != FULL, -c[1], c[0]))
-        samples = sorted(set.intersection(*({s for m, k, s in recs if (m, k) == c} for c in cells)))
-        if not samples or (FULL, 1.0) not in cells:
+    for key, recs in _grouped(records, "ppl").items():
+        cells, samples = _paired(recs)
+        if not samples:
             continue
         full = [recs[(FULL, 1.0, s)] for s in samples]
         full_bytes = sum(r["mean_kv_bytes"] for r in full) / len(full)
@@ -138,7 +156,7 @@ def plot(copy: dict, ppl: dict, out: Path) -> Path | None:
                 ax.plot(*zip(*pts), "o-" if len(pts) > 1 else "o", label=m)
             ax.set_xlabel("mean KV bytes held while decoding / full cache's")
             ax.set_ylabel(label)
-            ax.set_title(f"{key[0]}, every={key[1]}")
+            ax.set_title(_setting(key))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
@@ -154,13 +172,14 @@ def write_report(out: Path) -> Path:
     picture = plot(copy, ppl, out)
     lines = ["# Long outputs: decode-phase compression", "",
              f"Regenerate with `{COMMAND}` (resumes from `results/longgen/records.jsonl`). Each method compresses inside "
-             "the cache: the prompt when it is read, then every `every` decoded tokens each layer back to its budget "
-             "(`Compressor(method, keep_ratio, every)`). Bytes are the KV tensors' measured bytes averaged over the "
+             "the cache: the prompt to its keep ratio when it is read, then every `every` decoded tokens each layer back "
+             "to that size + `extra_rows` (`Compressor(method, keep_ratio, every, extra_rows)`; a decode-phase method "
+             "such as moment-kv evicts only generated rows, the others choose among every row held). Bytes are the KV tensors' measured bytes averaged over the "
              "decode steps, over the full cache's. 95% bootstrap CIs; differences are paired by sample.", ""]
     if picture:
         lines += [f"![long outputs]({picture.name})", ""]
     for key, rows in copy.items():
-        lines += [f"## Copy a 24-entry list: {key[0]}, every={key[1]} (n={rows[0]['n']})", "",
+        lines += [f"## Copy a 24-entry list: {_setting(key)} (n={rows[0]['n']})", "",
                   "Score: the fraction of the prompt's 24 entries written as a line of the output. Fidelity: the longest "
                   "common subsequence with the full cache's output, over its length. Repeats: the fraction of the "
                   "output's 4-grams seen earlier in it.", "",
@@ -172,7 +191,7 @@ def write_report(out: Path) -> Path:
                          f"{_fmt(r['repeats'])} | {r['tokens']} |")
         lines += ["", "Methods against each other at one keep ratio (copy score):", "", *pairwise(rows), ""]
     for key, rows in ppl.items():
-        lines += [f"## Streaming perplexity of a held-out continuation: {key[0]}, every={key[1]} "
+        lines += [f"## Streaming perplexity of a held-out continuation: {_setting(key)} "
                   f"(n={rows[0]['n']} texts, {rows[0]['tokens']} tokens)", "",
                   "| method | bytes held | perplexity | Δppl % vs full [95% CI] |", "|---|---|---|---|"]
         for r in rows:

@@ -187,28 +187,36 @@ class Compressor:
 
     Each layer is compressed right after its attention has read the first forward (the prefill): the
     rest of that forward is unaffected, exactly as if the whole cache were compressed afterwards. With
-    `every=N`, every N later forwards each layer is brought back to the size it had after that.
+    `every=N`, every N later forwards each layer is brought back to the size it had after that, plus `extra_rows`
+    (default 0): `Compressor(method, 1.0, every=1, extra_rows=64)` keeps the prompt whole and then holds each head at the
+    prompt's rows + 64, evicting by the method's score among everything held (a fixed decode-time budget).
     Use: `KVCache(config, compressor=Compressor(get_method("snapkv"), 0.25))`; each cache works on its own
     copy (`bind`), so one Compressor serves any number of caches. Layer by layer, so budgets
     that compare layers (`global`, `duo`) and methods that need the model (`kvzip`) are applied with `compress()`
     after the prefill instead; `model.generate` then continues from that cache.
     """
 
-    def __init__(self, method: Method, keep_ratio: float, every: int = 0):
+    def __init__(self, method: Method, keep_ratio: float, every: int = 0, extra_rows: int = 0):
         check_keep_ratio(keep_ratio, 1)
+        if not isinstance(every, int) or every < 0 or not isinstance(extra_rows, int) or extra_rows < 0:
+            raise KVMemError(f"Compressor: every and extra_rows must be integers >= 0; got every={every!r}, "
+                             f"extra_rows={extra_rows!r}")
+        if extra_rows and not every:
+            raise KVMemError(f"Compressor: extra_rows={extra_rows} bounds the rows decoding adds, so it needs every=N "
+                             "(how often the layer is brought back to its budget)")
         if method.needs_model or method.budget in WHOLE_CACHE:
             what = (f"method {method.name!r} needs the model" if method.needs_model
                     else f"budget {method.budget!r} compares heads of all layers")
             raise KVMemError(f"{what}, so it cannot compress layer by layer as the model runs: prefill, then call "
                              "kvmem.compress.compress(cache, method, ratio, context=...), then generate from the cache")
-        self.method, self.keep_ratio, self.every = method, keep_ratio, every
+        self.method, self.keep_ratio, self.every, self.extra_rows = method, keep_ratio, every, extra_rows
         self.n_layers = 0  # set by bind()
         self._budget: dict[int, int] = {}  # layer -> max tokens per head after the prefill
         self._steps: dict[int, int] = {}
 
     def bind(self, n_layers: int) -> "Compressor":
         """A fresh copy for one cache of a model with `n_layers` layers (the state is per cache)."""
-        bound = Compressor(self.method, self.keep_ratio, self.every)
+        bound = Compressor(self.method, self.keep_ratio, self.every, self.extra_rows)
         bound.n_layers = n_layers
         return bound
 
@@ -224,7 +232,7 @@ class Compressor:
             _check(self.method, [self.keep_ratio], layer)
             if self.keep_ratio < 1.0:
                 self._compress(layer, layer_idx, self.keep_ratio)
-            self._budget[layer_idx], self._steps[layer_idx] = _budgeted_rows(layer), 0
+            self._budget[layer_idx], self._steps[layer_idx] = _budgeted_rows(layer) + self.extra_rows, 0
             return
         self._steps[layer_idx] += 1
         if self.every and self._steps[layer_idx] % self.every == 0:
