@@ -130,8 +130,9 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
     shares = {i: [max(1, math.ceil(ratios[i] * n)) for n in sizes[i]] for i in views}
     aligned = {i: all(n == sizes[i][0] and torch.equal(h.positions[:n], heads[0].positions[:n])
                       for h, n in zip(heads, sizes[i])) for i, heads in views.items()}
-    counts = allocate(method.budget, {i: [s[:n] for s, n in zip(scores[i], sizes[i])] for i in views}, shares, n_layers,
-                      head_scores, aligned)
+    compressible = {i: [s[:n] for s, n in zip(scores[i], sizes[i])] for i in views}
+    counts = method.counts(compressible, shares) if method.own_budget else \
+        allocate(method.budget, compressible, shares, n_layers, head_scores, aligned)
     # a razor compensation token takes a slot of its head's share; when the shares leave none (a context of a few
     # tokens, every head at its one-row minimum) no compensation token is added, so the budget still holds
     compensate = method.budget == "razor" and sum(
