@@ -28,7 +28,8 @@ Departures, and why:
   correlation between the values computed from the even and from the odd samples (split-half, stored in the
   artefact as `split_half_spearman`; the full estimate's reliability is about 2r / (1 + r)). Measured with the
   defaults (1 torch thread, on a machine shared with other jobs): SmolLM2-135M (90 heads) 0.40, fit 281 s;
-  Gemma-3-270M (18 heads) 0.86, fit 324 s; on SmolLM2, 48 samples with two sequences gave 0.16. The values of many
+  Gemma-3-270M (18 heads) 0.86, fit 324 s; Qwen2.5-Coder-0.5B (48 heads) 0.18, fit 512 s; on SmolLM2, 48 samples
+  with two sequences gave 0.16. The values of many
   heads are close, so their order is noise; the heads far above or below stand out. A difference-of-means estimator
   that also uses the samples where a head is outside S (same expectation) reached only 0.40, so the reference's
   estimator is kept. More samples (`cokv_values(lm, samples=...)`) buy reliability at a linear cost.
