@@ -13,6 +13,7 @@ from kvmem.compress.curdkv import CurDKV
 from kvmem.compress.dapq import DapQ
 from kvmem.compress.evict import CompressionResult, Compressor, compress
 from kvmem.compress.expected_attention import ExpectedAttention
+from kvmem.compress.fastgen import FastGen
 from kvmem.compress.full import Full
 from kvmem.compress.h2o import H2O
 from kvmem.compress.keydiff import KeyDiff
@@ -32,7 +33,8 @@ from kvmem.spec import check_options, parse_spec
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm, KeyDiff,
                                                         CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
-                                                        RCStat, AttentionMatching, Keyformer, DapQ)}
+                                                        RCStat, AttentionMatching, Keyformer, DapQ,
+                                                        FastGen)}
 
 
 def get_method(spec: str, **options) -> Method:
@@ -41,6 +43,9 @@ def get_method(spec: str, **options) -> Method:
     name, spec_options = parse_spec(spec, METHODS, "method")
     options = {**spec_options, **options}
     cls = METHODS[name]
+    if cls.own_budget and "budget" in options:
+        raise KVMemError(f"method {name!r} sizes its heads itself (its own policies choose the tokens); it takes no "
+                         f"budget option (got budget={options['budget']!r})")
     budget, sliding = options.pop("budget", cls.budget), options.pop("sliding", cls.sliding)
     if budget not in BUDGETS:
         raise KVMemError(f"unknown budget {budget!r} in {spec!r}; choose from {', '.join(BUDGETS)}")

@@ -80,6 +80,7 @@ class Method:
     observe_window: ClassVar[int] = 0  # how many recent queries `score` reads
     needs_model: ClassVar[bool] = False  # scores by running the model: compress() needs `context=`
     signed_scores: ClassVar[bool] = False  # scores may be negative (not a mass): budget=prefixkv refuses the method
+    own_budget: ClassVar[bool] = False  # sizes its heads itself (`counts`): get_method refuses a budget option
     budget: str = "uniform"  # the allocator (budget.py); get_method sets it from the spec
     sliding: str = "compress"  # or "keep": sliding-window layers are left whole (SLIDING)
     options: dict = {}  # the spec's options other than budget and sliding, for `spec`
@@ -95,6 +96,11 @@ class Method:
     def score_cache(self, views: dict[int, list[HeadView]], cache: KVCache, context: ModelContext | None) -> dict[int, list[Tensor]]:
         """Scores of every head of the layers in `views`; override to score from the whole cache (KVzip)."""
         return {layer: self.score_layer(heads) for layer, heads in views.items()}
+
+    def counts(self, scores: dict[int, list[Tensor]], shares: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Tokens each head keeps, for methods that size their heads themselves (`own_budget`: FastGen's policies);
+        `scores` are the compressible tokens' scores per layer and head, `shares` each head's uniform share."""
+        raise NotImplementedError
 
     def select(self, head: HeadView, score: Tensor, n_keep: int) -> Tensor:
         """Indices of the tokens to keep. Default: top-`n_keep` by score."""

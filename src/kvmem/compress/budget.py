@@ -34,6 +34,11 @@ expected-attention).
   them; kvmem searches them for each prompt (the reference's profiling step, on the prompt being compressed).
   Scores must be non-negative (a mass): scorers with signed scores (`Method.signed_scores`: knorm, keydiff,
   q-filters) are refused by `get_method`; tokens a scorer always keeps (+inf) count first, unseen ones (-inf) hold none.
+* `cokv` (CoKV, Sun et al. 2025, arXiv 2502.17501; `cokv.py`): each KV head's importance is its Sliced Shapley value
+  in the cooperative game of inference (a coalition's heads keep their cache, the others a local window; the value
+  is the model's log-likelihood on shipped text), fitted once per model; every head keeps a window of 32 tokens,
+  the rest of the total goes to the heads in proportion to their values minus the smallest. Needs the whole cache
+  and the model.
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ import math
 import torch
 from torch import Tensor
 
+from kvmem.compress.cokv import cokv_counts
 from kvmem.errors import KVMemError
 
-BUDGETS = ("uniform", "adaptive", "pyramid", "global", "duo", "razor", "prefixkv")
-WHOLE_CACHE = ("global", "duo", "razor", "prefixkv")  # budgets that compare heads of different layers
+BUDGETS = ("uniform", "adaptive", "pyramid", "global", "duo", "razor", "prefixkv", "cokv")
+WHOLE_CACHE = ("global", "duo", "razor", "prefixkv", "cokv")  # budgets that compare heads of different layers
 PROBES = {"duo": "needle-copy", "razor": "echo-induction"}  # how each ranks retrieval heads (retrieval_heads.py)
+HEAD_SCORED = (*PROBES, "cokv")  # budgets that rank heads by scores fitted for the model (`head_scores`)
 STREAMING_MIN = 64
 ADAPTIVE_FLOOR = 0.2
 PYRAMID_BETA = 20
@@ -56,7 +63,8 @@ PYRAMID_BETA = 20
 def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, list[int]], n_layers: int,
              head_scores: dict[int, Tensor] | None = None, aligned: dict[int, bool] | None = None) -> dict[int, list[int]]:
     """Tokens each head keeps: {layer: [count per KV head]} for the layers in `scores`. `head_scores` ranks
-    heads for `duo` and `razor` (their probe's retrieval scores per layer); `aligned` says which layers' heads hold
+    heads for `duo` and `razor` (their probe's retrieval scores per layer) and sizes them for `cokv` (their fitted
+    values); `aligned` says which layers' heads hold
     the same tokens in the same order (`prefixkv` averages their scores per token there)."""
     if budget == "uniform":
         return shares
@@ -75,6 +83,8 @@ def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, lis
         return out
     if budget == "prefixkv":
         return _prefixkv(scores, shares, aligned or {})
+    if budget == "cokv":
+        return cokv_counts({layer: [s.numel() for s in scores[layer]] for layer in scores}, shares, head_scores)
     raise KVMemError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
 
 

@@ -14,7 +14,8 @@ from torch import Tensor
 from kvmem.cache import KVCache
 from kvmem.layer import KVLayer
 from kvmem.compress.base import HeadView, Method, ModelContext
-from kvmem.compress.budget import BUDGETS, PROBES, WHOLE_CACHE, allocate
+from kvmem.compress.budget import BUDGETS, HEAD_SCORED, PROBES, WHOLE_CACHE, allocate
+from kvmem.compress.cokv import cokv_values
 from kvmem.compress.retrieval_heads import retrieval_scores
 from kvmem.errors import KVMemError
 
@@ -79,9 +80,9 @@ def _check(method: Method, ratios: list[float], layer: KVLayer, context: ModelCo
     if method.observe_window and (seen.recent_queries is None or seen.window < method.observe_window):
         raise KVMemError(f"method {method.spec!r} reads the last {method.observe_window} queries; the cache keeps "
                          f"{seen.window if seen.recent_queries is not None else 0} (KVCache(observe_window=...))")
-    if (method.needs_model or method.budget in PROBES) and context is None:
+    if (method.needs_model or method.budget in HEAD_SCORED) and context is None:
         why = (f"method {method.name!r} needs the model (it reruns it, or reads its RoPE or calibration)"
-               if method.needs_model else f"budget {method.budget!r} needs the model (its retrieval-head probe)")
+               if method.needs_model else f"budget {method.budget!r} needs the model (its head scores are fitted for it)")
         raise KVMemError(f"{why}: pass context=ModelContext(lm, ids) (the token ids the cache holds)")
 
 
@@ -111,8 +112,8 @@ def compress(
         views = {i: head_views(layer, i) for i, layer in layers.items()}
         scores = method.score_cache(views, cache, context)
         head_scores = None
-        if method.budget in PROBES:
-            probe = retrieval_scores(context.lm, PROBES[method.budget])
+        if method.budget in HEAD_SCORED:
+            probe = cokv_values(context.lm) if method.budget == "cokv" else retrieval_scores(context.lm, PROBES[method.budget])
             head_scores = {i: probe[f"layer.{i}"] for i in layers}
         evict(layers, views, scores, method, {i: ratios[i] for i in layers}, len(cache.layers), protect_from,
               head_scores)
@@ -130,8 +131,9 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
     shares = {i: [max(1, math.ceil(ratios[i] * n)) for n in sizes[i]] for i in views}
     aligned = {i: all(n == sizes[i][0] and torch.equal(h.positions[:n], heads[0].positions[:n])
                       for h, n in zip(heads, sizes[i])) for i, heads in views.items()}
-    counts = allocate(method.budget, {i: [s[:n] for s, n in zip(scores[i], sizes[i])] for i in views}, shares, n_layers,
-                      head_scores, aligned)
+    compressible = {i: [s[:n] for s, n in zip(scores[i], sizes[i])] for i in views}
+    counts = method.counts(compressible, shares) if method.own_budget else \
+        allocate(method.budget, compressible, shares, n_layers, head_scores, aligned)
     # a razor compensation token takes a slot of its head's share; when the shares leave none (a context of a few
     # tokens, every head at its one-row minimum) no compensation token is added, so the budget still holds
     compensate = method.budget == "razor" and sum(
