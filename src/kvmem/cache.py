@@ -16,7 +16,7 @@ The engine's contract (also in the README):
   and hands it to kvmem's attention (`attention.py`) through the attention kwargs.
 * Scorers need what attention saw: each layer's `observation` (`observe.py`) keeps the last
   `observe_window` queries (and their positions) and, with `track_attention=True`, the attention each
-  kept row has received (H2O).
+  kept row has received (H2O), or with `attention_decay` < 1 its momentum (Moment-KV).
 * `kv_bytes()` sums the storage actually held by key and value tensors; positions and observation
   state are reported separately by `state_bytes()`.
 
@@ -58,14 +58,19 @@ class KVCache(Cache):
     """A transformers Cache made of `KVLayer`s, one per decoder layer (sliding layers where the model has them)."""
 
     def __init__(self, config, observe_window: int = 64, track_attention: bool = False, compressor=None,
-                 quant: Scheme | None = None):
+                 quant: Scheme | None = None, attention_decay: float = 1.0):
         """`compressor` (a `kvmem.compress.Compressor`) makes the cache compress itself after the prefill
         and optionally every N decode steps; the observation it needs is switched on. `quant` (a scheme,
-        `kvmem.quant.get_scheme("kivi-2")`) holds every layer's rows quantized."""
+        `kvmem.quant.get_scheme("kivi-2")`) holds every layer's rows quantized. `attention_decay` (in (0, 1]) is
+        how tracked attention decays per query step (`observe.py`; a compressor's method sets it)."""
         _check_scheme(quant)
         if compressor is not None:
             observe_window = max(observe_window, compressor.method.observe_window, 1)
             track_attention = track_attention or compressor.method.needs_attention
+            if compressor.method.needs_attention:
+                attention_decay = compressor.method.attention_decay
+        if not 0.0 < attention_decay <= 1.0:
+            raise KVMemError(f"attention_decay must be in (0, 1] (the momentum of tracked attention); got {attention_decay}")
         text = config.get_text_config()
         n_layers = text.num_hidden_layers
         if quant is not None:
@@ -81,7 +86,7 @@ class KVCache(Cache):
             raise KVMemError(f"unsupported attention layer types {sorted(unknown)}")
         layers = [
             KVLayer(text.sliding_window if t == "sliding_attention" else None, observe_window, track_attention, i,
-                    compressor, quant.for_layer(i) if quant is not None else None)
+                    compressor, quant.for_layer(i) if quant is not None else None, attention_decay)
             for i, t in enumerate(layer_types[:n_layers])
         ]
         super().__init__(layers=layers)

@@ -26,7 +26,7 @@ def new_cache(lm: LoadedModel, method: Method, quant: str | None = None) -> KVCa
     """A cache that records what `method` needs to score tokens (queries, accumulated attention), holding
     its rows quantized with `quant` (a scheme, e.g. `kivi-2`, prepared for this model) if given."""
     return KVCache(lm.model.config, observe_window=max(64, method.observe_window), track_attention=method.needs_attention,
-                   quant=get_scheme(quant, lm) if isinstance(quant, str) else quant)
+                   quant=get_scheme(quant, lm) if isinstance(quant, str) else quant, attention_decay=method.attention_decay)
 
 
 @torch.no_grad()

@@ -23,14 +23,14 @@ class KVLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, sliding_window: int | None = None, observe_window: int = 64, track_attention: bool = False,
-                 layer_idx: int = 0, compressor=None, quant: Scheme | None = None):
+                 layer_idx: int = 0, compressor=None, quant: Scheme | None = None, attention_decay: float = 1.0):
         self.is_initialized = False
         self.quant = quant  # rows held quantized by this scheme (kvmem.quant), or None: the model's dtype
         self.layer_idx = layer_idx
         self.compressor = compressor  # called after each forward's attention (see compress.Compressor)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        self.observation = Observation(observe_window, track_attention)
+        self.observation = Observation(observe_window, track_attention, attention_decay)
         # True once the rows are no longer what transformers' own layer would hold (evicted, or a quantized
         # sliding layer keeping a partly expired block), so kvmem builds the mask from positions
         self.compressed = False
@@ -133,7 +133,8 @@ class KVLayer(CacheLayerMixin):
         contiguous = all(p.numel() == len(want) and bool((p == torch.arange(want.start, want.stop)).all())
                          for p in self.head_positions)
         self.compressed = not contiguous or self.log_weights is not None
-        self.observation = Observation(self.observation.window, self.observation.track_attention)
+        self.observation = Observation(self.observation.window, self.observation.track_attention,
+                                       self.observation.decay)
         if self.quant is not None and not encoded:
             self.quantize(self.quant)
 
@@ -286,7 +287,7 @@ class KVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.__init__(self.sliding_window, self.observation.window, self.observation.track_attention, self.layer_idx,
-                      self.compressor, self.quant)
+                      self.compressor, self.quant, self.observation.decay)
 
     def reorder_cache(self, beam_idx) -> None:
         raise KVMemError("kvmem caches hold one sequence; beam search is not supported")

@@ -4,7 +4,11 @@
   window, TOVA's last query, expected-attention's query statistics;
 * with `track_attention`, the attention each held row has received from every query so far (H2O). That
   needs the attention weights, which SDPA does not return, so the layer's attention is then computed here
-  explicitly, in blocks of queries, and its output is used.
+  explicitly, in blocks of queries, and its output is used. With `decay` < 1 the sum is a momentum instead
+  (Moment-KV): each query is one step, and before a step's attention is added every earlier sum is multiplied
+  by `decay`, so a row's score is sum over queries s of decay^(t - s) * attention_s at the latest step t;
+* `prompt_end`: the position after the first forward this observation saw (the prompt's prefill), which
+  decode-phase methods keep whole.
 
 `head_attention` is per row, so the layer keeps it aligned with its storage (`appended`, `kept`).
 """
@@ -20,8 +24,10 @@ QUERY_BLOCK = 64  # queries per block when accumulating attention: a block's log
 
 
 class Observation:
-    def __init__(self, window: int = 64, track_attention: bool = False):
+    def __init__(self, window: int = 64, track_attention: bool = False, decay: float = 1.0):
         self.window, self.track_attention = window, track_attention
+        self.decay = decay  # per query step; 1.0: plain sums (H2O)
+        self.prompt_end: int | None = None  # the position after the first forward recorded
         self.recent_queries: Tensor | None = None  # (query heads, <= window, head_dim)
         self.recent_positions: Tensor | None = None  # (<= window,)
         self.scaling: float | None = None  # the model's attention scaling
@@ -34,6 +40,8 @@ class Observation:
     def record(self, q: Tensor, new_pos: Tensor, scaling: float) -> None:
         """Keep the last `window` of the queries seen so far (q: (query heads, new tokens, head_dim))."""
         self.scaling = scaling
+        if self.prompt_end is None:
+            self.prompt_end = int(new_pos.max()) + 1
         if self.window <= 0:
             return
         prev_q = self.recent_queries if self.recent_queries is not None else q[:, :0]
@@ -51,6 +59,9 @@ class Observation:
         if self.head_attention is None:
             self.head_attention = [q.new_zeros((groups, n)) for n in held]
         out = q.new_empty((q.shape[0], q.shape[1], heads[0][1].shape[-1]))
+        # momentum: query j of this forward's Q is step t - (Q - 1 - j) of the latest step t
+        steps = None if self.decay == 1.0 else \
+            self.decay ** torch.arange(q.shape[1] - 1, -1, -1, dtype=q.dtype, device=q.device)
         q = q * scaling  # cheaper than scaling the logits
         for h, (k, v, kp) in enumerate(heads):  # positions increase along a head: visible keys are a range
             acc = q.new_zeros((groups, k.shape[0]))
@@ -73,8 +84,9 @@ class Observation:
                     scores += log_weights[h][lo:hi]
                 weights = scores.softmax(dim=-1)
                 out[rows, block] = torch.matmul(weights, v[lo:hi])
-                acc[:, lo:hi] += weights.sum(dim=1)
-            self.head_attention[h] = self.head_attention[h] + acc[:, acc.shape[1] - held[h]:]
+                acc[:, lo:hi] += weights.sum(dim=1) if steps is None else torch.einsum("gqk,q->gk", weights, steps[block])
+            past = self.head_attention[h] if steps is None else self.head_attention[h] * self.decay ** q.shape[1]
+            self.head_attention[h] = past + acc[:, acc.shape[1] - held[h]:]
         return out.transpose(0, 1)[None]
 
     # keep head_attention aligned with the rows

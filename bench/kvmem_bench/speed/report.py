@@ -139,7 +139,7 @@ def command(config: dict) -> str:
     """The `kvmem eval` command line of a run (from the config recorded in results.json)."""
     from kvmem.compress import METHODS  # torch; the report needs it only here
 
-    methods = [m for m in METHODS if m != "full"]
+    methods = [m for m, cls in METHODS.items() if m != "full" and not cls.decode_phase]  # SpeedConfig's default
     return (f"kvmem eval --suite speed --models {','.join(config['models'])} "
             f"--lengths {','.join(map(str, config['lengths']))}"
             + (f" --methods {','.join(config['methods'])}" if config["methods"] != methods else "")

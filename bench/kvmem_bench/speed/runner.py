@@ -31,7 +31,9 @@ from kvmem_bench.speed.report import mib, plot_decode, report
 class SpeedConfig:
     models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
     lengths: list[int] = field(default_factory=lambda: list(DEFAULT_LENGTHS))
-    methods: list[str] = field(default_factory=lambda: [m for m in METHODS if m != "full"])
+    # decode-phase methods (moment-kv) keep the prompt whole: compressing after a prefill is nothing for them to time
+    methods: list[str] = field(default_factory=lambda: [m for m, cls in METHODS.items()
+                                                        if m != "full" and not cls.decode_phase])
     threads: int = 0  # torch CPU threads in every process (0: torch's default)
     out: Path = Path("results/speed")
     decode_steps: int = 32  # timed decode steps per cache kind

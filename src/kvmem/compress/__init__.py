@@ -19,6 +19,7 @@ from kvmem.compress.h2o import H2O
 from kvmem.compress.keydiff import KeyDiff
 from kvmem.compress.keyformer import Keyformer
 from kvmem.compress.knorm import KNorm
+from kvmem.compress.moment_kv import MomentKV
 from kvmem.compress.q_filters import QFilters
 from kvmem.compress.kvzip import KVzip
 from kvmem.compress.kvzip_head import KVzipHead
@@ -33,8 +34,8 @@ from kvmem.spec import check_options, parse_spec
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm, KeyDiff,
                                                         CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
-                                                        RCStat, AttentionMatching, Keyformer, DapQ,
-                                                        FastGen)}
+                                                        RCStat, AttentionMatching, Keyformer, DapQ, FastGen,
+                                                        MomentKV)}
 
 
 def get_method(spec: str, **options) -> Method:

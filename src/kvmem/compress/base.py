@@ -81,6 +81,11 @@ class Method:
     needs_model: ClassVar[bool] = False  # scores by running the model: compress() needs `context=`
     signed_scores: ClassVar[bool] = False  # scores may be negative (not a mass): budget=prefixkv refuses the method
     own_budget: ClassVar[bool] = False  # sizes its heads itself (`counts`): get_method refuses a budget option
+    # compresses only the rows generated after the prompt (the cache's first forward, `Observation.prompt_end`); the
+    # prompt's rows are always kept (Moment-KV). The keep ratio then applies to the generated rows.
+    decode_phase: ClassVar[bool] = False
+    decode_budget: int | None = None  # decode-phase methods: a fixed number of generated rows per head instead
+    attention_decay: float = 1.0  # the per-step decay tracked attention must have been accumulated with (observe.py)
     budget: str = "uniform"  # the allocator (budget.py); get_method sets it from the spec
     sliding: str = "compress"  # or "keep": sliding-window layers are left whole (SLIDING)
     options: dict = {}  # the spec's options other than budget and sliding, for `spec`

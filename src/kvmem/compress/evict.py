@@ -77,6 +77,15 @@ def _check(method: Method, ratios: list[float], layer: KVLayer, context: ModelCo
     seen = layer.observation
     if method.needs_attention and not seen.track_attention:
         raise KVMemError(f"method {method.name!r} needs the cache built with track_attention=True before prefill")
+    if method.needs_attention and seen.decay != method.attention_decay:  # a plain sum is not a momentum, nor back
+        raise KVMemError(f"method {method.spec!r} reads attention accumulated with decay {method.attention_decay:g} "
+                         f"a step; this cache tracks it with decay {seen.decay:g}: build it with "
+                         "kvmem.generate.new_cache(lm, method) or KVCache(..., attention_decay=...)")
+    if method.decode_phase and refits_rows(method):
+        raise KVMemError(f"method {method.name!r}: refitting rows is not supported for decode-phase methods")
+    if method.decode_budget is not None and min(ratios) < 1.0:
+        raise KVMemError(f"method {method.spec!r} keeps a fixed decode_budget={method.decode_budget} generated rows per "
+                         f"head; the keep ratio must then be 1.0 (got {min(ratios)}): give one or the other")
     if method.observe_window and (seen.recent_queries is None or seen.window < method.observe_window):
         raise KVMemError(f"method {method.spec!r} reads the last {method.observe_window} queries; the cache keeps "
                          f"{seen.window if seen.recent_queries is not None else 0} (KVCache(observe_window=...))")
@@ -107,7 +116,19 @@ def compress(
     if method.sliding == "keep":
         ratios = [1.0 if layer.is_sliding else r for r, layer in zip(ratios, cache.layers)]
     before = cache.kv_bytes(), sum(map(sum, cache.tokens_held()))
-    layers = {i: layer for i, layer in enumerate(cache.layers) if ratios[i] < 1.0 and layer.is_initialized}
+    cap = method.decode_budget  # a decode-phase method's fixed budget replaces the ratio
+    layers = {i: layer for i, layer in enumerate(cache.layers)
+              if (ratios[i] < 1.0 or (cap is not None and not (layer.is_sliding and method.sliding == "keep")))
+              and layer.is_initialized}
+    prompt_ends = None
+    if method.decode_phase:
+        prompt_ends = {i: layer.observation.prompt_end for i, layer in layers.items()}
+        if None in prompt_ends.values():
+            raise KVMemError(f"method {method.name!r} compresses the rows generated after the prompt, and this cache "
+                             "has recorded no forward (its prompt) since its rows were built or loaded")
+        # only layers holding generated rows have anything to compress (a prompt alone is kept whole)
+        layers = {i: layer for i, layer in layers.items()
+                  if any(int(p[-1]) >= prompt_ends[i] for p in layer.head_positions if p.numel())}
     if layers:
         views = {i: head_views(layer, i) for i, layer in layers.items()}
         scores = method.score_cache(views, cache, context)
@@ -116,22 +137,33 @@ def compress(
             probe = cokv_values(context.lm) if method.budget == "cokv" else retrieval_scores(context.lm, PROBES[method.budget])
             head_scores = {i: probe[f"layer.{i}"] for i in layers}
         evict(layers, views, scores, method, {i: ratios[i] for i in layers}, len(cache.layers), protect_from,
-              head_scores)
+              head_scores, prompt_ends, cap)
     return CompressionResult(before[0], cache.kv_bytes(), before[1], sum(map(sum, cache.tokens_held())))
 
 
 def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: dict[int, list[Tensor]], method: Method,
           ratios: dict[int, float], n_layers: int, protect_from: int | None = None,
-          head_scores: dict[int, Tensor] | None = None) -> None:
+          head_scores: dict[int, Tensor] | None = None, protect_before: dict[int, int] | None = None,
+          cap: int | None = None) -> None:
     """Budget and evict: each head keeps its allocated number of compressible tokens, chosen by
-    `method.select`, plus every protected token."""
-    # positions increase along a head, so the compressible tokens (before `protect_from`) are a prefix
-    sizes = {i: [int(torch.searchsorted(h.positions, torch.tensor(protect_from, dtype=h.positions.dtype)))
-                 if protect_from is not None else h.positions.numel() for h in heads] for i, heads in views.items()}
-    shares = {i: [max(1, math.ceil(ratios[i] * n)) for n in sizes[i]] for i in views}
-    aligned = {i: all(n == sizes[i][0] and torch.equal(h.positions[:n], heads[0].positions[:n])
-                      for h, n in zip(heads, sizes[i])) for i, heads in views.items()}
-    compressible = {i: [s[:n] for s, n in zip(scores[i], sizes[i])] for i in views}
+    `method.select`, plus every protected token: those at positions >= `protect_from` and, per layer, those
+    before `protect_before[layer]` (a decode-phase method's prompt). `cap`: each head's share is this many
+    compressible tokens (at most all of them) instead of the ratio's."""
+    def span(h: HeadView, layer: int) -> tuple[int, int]:
+        # positions increase along a head, so the compressible tokens (from `protect_before` to `protect_from`)
+        # are a contiguous range of rows
+        def at(p: int) -> int:
+            return int(torch.searchsorted(h.positions, torch.tensor(p, dtype=h.positions.dtype)))
+        lo = at(protect_before[layer]) if protect_before is not None else 0
+        hi = at(protect_from) if protect_from is not None else h.positions.numel()
+        return lo, max(lo, hi)
+
+    spans = {i: [span(h, i) for h in heads] for i, heads in views.items()}
+    sizes = {i: [hi - lo for lo, hi in spans[i]] for i in views}
+    shares = {i: [max(1, math.ceil(ratios[i] * n) if cap is None else min(cap, n)) for n in sizes[i]] for i in views}
+    aligned = {i: all(n == sizes[i][0] and torch.equal(h.positions[lo:hi], heads[0].positions[spans[i][0][0]:spans[i][0][1]])
+                      for h, n, (lo, hi) in zip(heads, sizes[i], spans[i])) for i, heads in views.items()}
+    compressible = {i: [s[lo:hi] for s, (lo, hi) in zip(scores[i], spans[i])] for i in views}
     counts = method.counts(compressible, shares) if method.own_budget else \
         allocate(method.budget, compressible, shares, n_layers, head_scores, aligned)
     # a razor compensation token takes a slot of its head's share; when the shares leave none (a context of a few
@@ -142,19 +174,20 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
     refits = refits_rows(method)
     for i, layer in layers.items():
         keep, compensation, refit = [], [], []
-        for view, score, n, n_keep in zip(views[i], scores[i], sizes[i], counts[i]):
-            region, protected = torch.arange(n), torch.arange(n, view.positions.numel())
+        for view, score, (lo, n), n_keep in zip(views[i], scores[i], spans[i], counts[i]):
+            region = torch.arange(lo, n)
+            protected = torch.cat([torch.arange(lo), torch.arange(n, view.positions.numel())])
             fitted = None
-            if n_keep >= n:
+            if n_keep >= n - lo:
                 chosen = region
-            else:  # slices, not copies: the scorer sees the compressible prefix
-                sub = HeadView(**{**view.__dict__, "keys": view.keys[:n], "values": view.values[:n],
-                                  "positions": view.positions[:n],
-                                  "attention": view.attention[:, :n] if view.attention is not None else None,
-                                  "log_weights": view.log_weights[:n] if view.log_weights is not None else None})
-                chosen = method.select(sub, score[:n], n_keep)
+            else:  # slices, not copies: the scorer sees the compressible rows
+                sub = HeadView(**{**view.__dict__, "keys": view.keys[lo:n], "values": view.values[lo:n],
+                                  "positions": view.positions[lo:n],
+                                  "attention": view.attention[:, lo:n] if view.attention is not None else None,
+                                  "log_weights": view.log_weights[lo:n] if view.log_weights is not None else None})
+                chosen = method.select(sub, score[lo:n], n_keep) + lo
                 if refits:  # sorted, so the refit rows line up with the kept rows keep_only leaves in position order
-                    chosen = chosen.sort().values
+                    chosen = chosen.sort().values  # (lo is 0 here: _check refuses refits with a protected prompt)
                     fitted = method.refit(view, chosen, n)
             keep.append(torch.cat([chosen, protected]))
             refit.append(fitted if fitted is None else (torch.cat([fitted[0], view.values[n:].to(fitted[0].dtype)]),
@@ -192,6 +225,9 @@ class Compressor:
     `every=N`, every N later forwards each layer is brought back to the size it had after that, plus `extra_rows`
     (default 0): `Compressor(method, 1.0, every=1, extra_rows=64)` keeps the prompt whole and then holds each head at the
     prompt's rows + 64, evicting by the method's score among everything held (a fixed decode-time budget).
+    A decode-phase method (`Method.decode_phase`, Moment-KV) leaves the prefill whole; every N later forwards each
+    head keeps its prompt rows plus ceil(keep ratio x tokens generated so far) of the generated rows, or the method's
+    fixed `decode_budget` of them (keep ratio 1.0 then), which `extra_rows` also sets.
     Use: `KVCache(config, compressor=Compressor(get_method("snapkv"), 0.25))`; each cache works on its own
     copy (`bind`), so one Compressor serves any number of caches. Layer by layer, so budgets
     that compare layers (`global`, `duo`) and methods that need the model (`kvzip`) are applied with `compress()`
@@ -211,6 +247,9 @@ class Compressor:
                     else f"budget {method.budget!r} compares heads of all layers")
             raise KVMemError(f"{what}, so it cannot compress layer by layer as the model runs: prefill, then call "
                              "kvmem.compress.compress(cache, method, ratio, context=...), then generate from the cache")
+        if extra_rows and method.decode_phase and method.decode_budget not in (None, extra_rows):
+            raise KVMemError(f"method {method.spec!r} keeps decode_budget={method.decode_budget} generated rows; "
+                             f"extra_rows={extra_rows} says otherwise: give one of them")
         self.method, self.keep_ratio, self.every, self.extra_rows = method, keep_ratio, every, extra_rows
         self.n_layers = 0  # set by bind()
         self._budget: dict[int, int] = {}  # layer -> max tokens per head after the prefill
@@ -222,22 +261,36 @@ class Compressor:
         bound.n_layers = n_layers
         return bound
 
-    def _compress(self, layer: KVLayer, layer_idx: int, ratio: float) -> None:
+    def _compress(self, layer: KVLayer, layer_idx: int, ratio: float, prompt_end: int | None = None,
+                  cap: int | None = None) -> None:
         views = {layer_idx: head_views(layer, layer_idx)}
         evict({layer_idx: layer}, views, {layer_idx: self.method.score_layer(views[layer_idx])}, self.method,
-              {layer_idx: ratio}, self.n_layers)
+              {layer_idx: ratio}, self.n_layers, protect_before=None if prompt_end is None else {layer_idx: prompt_end},
+              cap=cap)
+
+    def _compress_generated(self, layer: KVLayer, layer_idx: int) -> None:
+        """A decode-phase method: the prompt's rows stay; each head keeps `decode_budget` of the rows generated since,
+        or ceil(keep ratio x the tokens generated so far), so rounds of compression do not compound."""
+        end = layer.observation.prompt_end
+        generated = layer.next_position - end
+        cap = self.method.decode_budget or self.extra_rows or math.ceil(self.keep_ratio * generated)
+        if max(int((p >= end).sum()) for p in layer.head_positions) > cap:
+            self._compress(layer, layer_idx, 1.0, end, cap)
 
     def __call__(self, layer: KVLayer, layer_idx: int) -> None:
         if layer.is_sliding and self.method.sliding == "keep":
             return
         if layer_idx not in self._budget:
             _check(self.method, [self.keep_ratio], layer)
-            if self.keep_ratio < 1.0:
+            if self.keep_ratio < 1.0 and not self.method.decode_phase:  # a decode-phase method keeps the prompt whole
                 self._compress(layer, layer_idx, self.keep_ratio)
             self._budget[layer_idx], self._steps[layer_idx] = _budgeted_rows(layer) + self.extra_rows, 0
             return
         self._steps[layer_idx] += 1
         if self.every and self._steps[layer_idx] % self.every == 0:
+            if self.method.decode_phase:
+                self._compress_generated(layer, layer_idx)
+                return
             ratio = self._budget[layer_idx] / max(layer.lengths())  # select the budget among every row held
             if ratio < 1.0:
                 self._compress(layer, layer_idx, ratio)
