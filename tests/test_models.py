@@ -193,6 +193,13 @@ def test_compressor_extra_rows_keeps_the_prompt_then_holds_it_plus_a_fixed_decod
     assert {n for lens in cache.tokens_held() for n in lens} == {len(ids) + 4}
     # some prompt rows are gone: h2o chooses among everything held, not only among the generated rows
     assert any(len(set(range(len(ids))) - set(p.tolist())) for layer in cache.layers for p in layer.head_positions)
+    # a decode-phase method keeps the whole prompt and evicts only generated rows: extra_rows is its decode budget
+    cache = KVCache(lm.model.config, compressor=Compressor(get_method("moment-kv"), 1.0, every=1, extra_rows=4))
+    lm.model.generate(torch.tensor([ids]), cache=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert all(set(range(len(ids))) <= set(p.tolist()) and len(p) == len(ids) + 4
+               for layer in cache.layers for p in layer.head_positions)
+    with pytest.raises(KVMemError, match="decode_budget=3"):
+        Compressor(get_method("moment-kv:decode_budget=3"), 1.0, every=1, extra_rows=4)
     for bad in (dict(every=0, extra_rows=4), dict(every=1, extra_rows=-1), dict(every=-2)):
         with pytest.raises(KVMemError, match="every"):
             Compressor(get_method("h2o"), 1.0, **bad)
