@@ -43,6 +43,9 @@ def test_methods_lists_compression_and_embedding_methods():
         (["eval", "--tasks", "niah-42"], "unknown task 'niah-42'"),
         (["eval", "--ratios", "0.5,abc"], "comma-separated list of float"),
         (["eval", "--lengths", "99999", "--tasks", "passkey"], "longer than smollm2-135m allows"),
+        (["eval", "--methods", "moment-kv"], "`kvmem eval --suite longgen`"),
+        (["eval", "--suite", "longgen", "--methods", "kvzip"], "needs the model"),
+        (["eval", "--suite", "longgen", "--extra-rows", "0"], "below 1 without extra_rows"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, message, tmp_path):

@@ -192,7 +192,7 @@ def eval_(
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),
-        methods=_csv(methods) if methods else list(METHODS),
+        methods=_csv(methods) if methods else [m for m in METHODS if not METHODS[m].decode_phase],
         ratios=_csv(ratios, float), samples=samples, seed=seed, out=out, raw_prompt=raw_prompt,
     )
     path = run(cfg)

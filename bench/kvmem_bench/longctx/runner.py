@@ -64,7 +64,7 @@ class EvalConfig:
     models: list[str]
     lengths: list[int]
     tasks: list[str] = field(default_factory=lambda: list(ALL_TASKS))
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: [m for m in METHODS if not METHODS[m].decode_phase])
     ratios: list[float] = field(default_factory=lambda: list(DEFAULT_RATIOS))
     samples: int = 3
     seed: int = 0
@@ -76,6 +76,10 @@ class EvalConfig:
             if t not in ALL_TASKS:
                 raise KVMemError(f"unknown task {t!r}; choose from {', '.join(ALL_TASKS)}")
         self.methods = [get_method(m).spec for m in self.methods]  # canonical spelling in results
+        if decoding := [m for m in self.methods if get_method(m).decode_phase]:
+            raise KVMemError(f"{', '.join(decoding)} compresses only what is generated, and this suite compresses a "
+                             "prompt before a short answer: its scores would be the full cache's. Measure it with "
+                             "`kvmem eval --suite longgen`")
         for r in self.ratios:
             if not 0.0 < r <= 1.0:
                 raise KVMemError(f"keep ratio must be in (0, 1]; got {r}")
