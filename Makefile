@@ -37,7 +37,9 @@ test: setup redis
 # already done, nothing else is recomputed).
 BASE_METHODS := full,random,streaming-llm,h2o,snapkv,tova,knorm
 AGNOSTIC_METHODS := kvzip,kvzip-head,expected-attention,expected-attention:budget=adaptive,keydiff,q-filters,curdkv
-METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo,streaming-llm:budget=razor
+# Issue 35's catalog (rcstat is left out until it is checked against its paper)
+CATALOG_METHODS := vatp,vatp:source=window,dapq,snapkv:budget=prefixkv,fastgen,snapkv:budget=cokv,keyformer,attention-matching
+METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo,streaming-llm:budget=razor,$(CATALOG_METHODS)
 GEMMA_METHODS := $(METHODS),kvzip:sliding=keep,keydiff:sliding=keep,keydiff:kernel_size=33:sliding=keep
 SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --threads 1 --out results/longctx
 TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa-cloze
@@ -130,7 +132,7 @@ bench-batching: setup
 # (every=1, as H2O and TOVA evict) each head back to the prompt + 64 rows, while Qwen copies a 24-entry list from its
 # prompt (its full cache copies it whole; SmolLM2's does not), and SmolLM2's streaming perplexity of a held-out
 # 512-token continuation. About 2 h (copy) + 0.5 h (perplexity) on 1 thread.
-LONGGEN_METHODS := streaming-llm,h2o,tova
+LONGGEN_METHODS := streaming-llm,h2o,tova,moment-kv
 LONGGEN := --methods $(LONGGEN_METHODS) --ratios 1.0 --every 1 --extra-rows 64 --samples 30 --texts 10 --threads 1 --out results/longgen
 bench-longgen: setup
 	$(KVMEM) eval --suite longgen --models qwen2.5-coder-0.5b --parts copy $(LONGGEN)
