@@ -109,6 +109,8 @@ def compress(
     layers = {i: layer for i, layer in enumerate(cache.layers) if ratios[i] < 1.0 and layer.is_initialized}
     if layers:
         views = {i: head_views(layer, i) for i, layer in layers.items()}
+        if context is not None:
+            context.keep_ratios = ratios
         scores = method.score_cache(views, cache, context)
         head_scores = None
         if method.budget in PROBES:
