@@ -36,6 +36,7 @@ METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingL
                                                         CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
                                                         RCStat, AttentionMatching, Keyformer, DapQ, Finch,
                                                         KVCrush)}
+KVCrush.methods = METHODS  # kvcrush names its base method by name
 
 
 def get_method(spec: str, **options) -> Method:

@@ -43,13 +43,12 @@ SOURCES = ("window", "accumulated")
 
 class KVCrush(Method):
     name = "kvcrush"
+    methods: dict[str, type[Method]] = {}  # the registry, set by kvmem.compress (which imports this module)
 
     def __init__(self, base: str = "snapkv", fraction: float = 0.25, anchor: str = "random", source: str = "window",
                  window: int = 32, seed: int = 0):
-        from kvmem.compress import METHODS, get_method  # the registry imports this module
-
         # a base that refits rows (attention-matching) or decides its own counts (finch) cannot share a budget
-        usable = [m for m, cls in METHODS.items()
+        usable = [m for m, cls in self.methods.items()
                   if m not in ("full", "kvcrush") and cls.refit is Method.refit and cls.budgets is None]
         if base not in usable:
             raise KVMemError(f"kvcrush needs base= a method that scores and selects tokens; got base={base!r}; "
@@ -62,7 +61,7 @@ class KVCrush(Method):
             raise KVMemError(f"kvcrush source={source!r}: choose {' or '.join(SOURCES)} (the attention the bits read)")
         if window < 1:
             raise KVMemError(f"kvcrush needs window >= 1 observed queries; got window={window}")
-        self.base_method = get_method(base)
+        self.base_method = self.methods[base]()  # with its default options
         self.fraction, self.anchor, self.source, self.window, self.seed = fraction, anchor, source, window, seed
         # what the cache must record is the base method's plus what the bits read
         self.needs_model = self.base_method.needs_model
