@@ -199,7 +199,7 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
     feed_pieces(lm, cache, ctx + q[:-1] if query_aware else ctx, interrupt)
     full_bytes = cache.kv_bytes()
     compress(cache, m, keep_ratio, protect_from=len(ctx) if query_aware else None,
-             context=ModelContext(lm, ctx, prompt.head))
+             context=ModelContext(lm, ctx, prompt.head, question=q[:-1] if query_aware else []))
     kept = cache.kv_bytes()
     cache.drop_observations()
     logits = feed(lm, cache, q[-1:] if query_aware else q)
@@ -226,7 +226,8 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
     if query_aware:  # the question is compressed with the context: only the raw prefix can be reused
         _, report = prefill(lm, cache, ctx + q[:-1], store, min_tail=min_tail, context_end=len(ctx), interrupt=interrupt)
         full_bytes = cache.kv_bytes()
-        compress(cache, m, keep_ratio, protect_from=len(ctx), context=ModelContext(lm, ctx, prompt.head))
+        compress(cache, m, keep_ratio, protect_from=len(ctx),
+                 context=ModelContext(lm, ctx, prompt.head, question=q[:-1]))
         cache.drop_observations()
         kept = cache.kv_bytes()
         return feed(lm, cache, q[-1:]), full_bytes, kept, report

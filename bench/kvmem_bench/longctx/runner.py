@@ -127,7 +127,8 @@ def answer_configs(lm: LoadedModel, sample, pre: Prefilled, configs: list[tuple[
     records = []
     for setting, (src, full) in pre.sources.items():
         rows = []
-        context = ModelContext(lm, pre.prompt.context, pre.prompt.head)  # kvzip reconstructs once per setting
+        context = ModelContext(lm, pre.prompt.context, pre.prompt.head,  # kvzip reconstructs once per setting
+                               question=pre.prompt.question[:-1] if setting == "aware" else [])
         for method, ratio in configs:
             cache = src.clone()
             t0 = time.perf_counter()

@@ -14,11 +14,13 @@ from kvmem.compress.dapq import DapQ
 from kvmem.compress.evict import CompressionResult, Compressor, compress
 from kvmem.compress.expected_attention import ExpectedAttention
 from kvmem.compress.fastgen import FastGen
+from kvmem.compress.finch import Finch
 from kvmem.compress.full import Full
 from kvmem.compress.h2o import H2O
 from kvmem.compress.keydiff import KeyDiff
 from kvmem.compress.keyformer import Keyformer
 from kvmem.compress.knorm import KNorm
+from kvmem.compress.kvcrush import KVCrush
 from kvmem.compress.moment_kv import MomentKV
 from kvmem.compress.q_filters import QFilters
 from kvmem.compress.kvzip import KVzip
@@ -35,7 +37,8 @@ from kvmem.spec import check_options, parse_spec
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm, KeyDiff,
                                                         CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
                                                         RCStat, AttentionMatching, Keyformer, DapQ, FastGen,
-                                                        MomentKV)}
+                                                        MomentKV, Finch, KVCrush)}
+KVCrush.methods = METHODS  # kvcrush names its base method by name
 
 
 def get_method(spec: str, **options) -> Method:
@@ -55,6 +58,9 @@ def get_method(spec: str, **options) -> Method:
     if budget == "prefixkv" and cls.signed_scores:
         raise KVMemError(f"budget=prefixkv sizes layers by their share of score mass, and {name}'s scores are signed; "
                          "use it with a scorer of attention mass (h2o, snapkv, tova, vatp, expected-attention, kvzip, ...)")
+    if cls.budgets is not None and budget not in cls.budgets:
+        raise KVMemError(f"method {name!r} decides how many tokens each head keeps itself: budget={budget!r} is not "
+                         f"one it takes; choose {' or '.join(cls.budgets)}")
     if name == "full" and (budget != "uniform" or sliding != cls.sliding):
         raise KVMemError("method 'full' keeps every token; it takes no budget or sliding option")
     check_options(name, cls, options)

@@ -59,13 +59,18 @@ class HeadView:
 @dataclass
 class ModelContext:
     """What a method that runs the model needs: the model, the token ids the cache holds (from position 0),
-    and how many of them are the chat template's head (`Prompt.head`). Methods memoize their scores in
-    `memo`, so one context serves every keep ratio tried on copies of one cache; make a new one per cache."""
+    and how many of them are the chat template's head (`Prompt.head`). `question`: the ids the cache holds after
+    `ids`, if any (the question in the query-aware setting, protected from compression; FINCH is guided by it).
+    Methods memoize their scores in `memo`, so one context serves every keep ratio tried on copies of one cache;
+    make a new one per cache."""
 
     lm: "LoadedModel"
     ids: list[int]
     head: int = 0
     memo: dict = field(default_factory=dict)
+    # set by compress() for the call: the keep ratio of each layer, for methods whose scoring evicts as it goes (finch)
+    keep_ratios: list[float] | None = None
+    question: list[int] = field(default_factory=list)
 
 
 SLIDING = ("compress", "keep")  # a method's `sliding` option: what compression does to sliding-window layers
@@ -86,6 +91,7 @@ class Method:
     decode_phase: ClassVar[bool] = False
     decode_budget: int | None = None  # decode-phase methods: a fixed number of generated rows per head instead
     attention_decay: float = 1.0  # the per-step decay tracked attention must have been accumulated with (observe.py)
+    budgets: ClassVar[tuple[str, ...] | None] = None  # the allocators the method works with (None: every one)
     budget: str = "uniform"  # the allocator (budget.py); get_method sets it from the spec
     sliding: str = "compress"  # or "keep": sliding-window layers are left whole (SLIDING)
     options: dict = {}  # the spec's options other than budget and sliding, for `spec`

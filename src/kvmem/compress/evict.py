@@ -131,6 +131,8 @@ def compress(
                   if any(int(p[-1]) >= prompt_ends[i] for p in layer.head_positions if p.numel())}
     if layers:
         views = {i: head_views(layer, i) for i, layer in layers.items()}
+        if context is not None:
+            context.keep_ratios = ratios
         scores = method.score_cache(views, cache, context)
         head_scores = None
         if method.budget in HEAD_SCORED:
