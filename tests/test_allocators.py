@@ -59,6 +59,12 @@ def test_prefixkv_counts_always_kept_tokens_first_and_refuses_signed_scores():
     for signed in ("knorm", "keydiff", "q-filters"):  # refused when the spec is read, naming the scorer
         with pytest.raises(KVMemError, match=f"prefixkv.*{signed}'s scores are signed"):
             get_method(f"{signed}:budget=prefixkv")
+    with pytest.raises(KVMemError, match="prefixkv.*kvcrush's scores are signed"):  # its scores are its base's
+        get_method("kvcrush:base=knorm:budget=prefixkv")
+    assert get_method("kvcrush:base=snapkv:budget=prefixkv").budget == "prefixkv"
+    for base in ("moment-kv", "fastgen", "finch"):  # no share of a budget to give representatives
+        with pytest.raises(KVMemError, match=f"kvcrush needs base=.*got base='{base}'"):
+            get_method(f"kvcrush:base={base}")
 
 
 def kept_positions(cache: KVCache, spec: str, ratio: float) -> list[list[list[int]]]:

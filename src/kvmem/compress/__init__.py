@@ -55,9 +55,6 @@ def get_method(spec: str, **options) -> Method:
         raise KVMemError(f"unknown budget {budget!r} in {spec!r}; choose from {', '.join(BUDGETS)}")
     if sliding not in SLIDING:
         raise KVMemError(f"sliding={sliding!r} in {spec!r}: choose {' or '.join(SLIDING)} (what happens to sliding-window layers)")
-    if budget == "prefixkv" and cls.signed_scores:
-        raise KVMemError(f"budget=prefixkv sizes layers by their share of score mass, and {name}'s scores are signed; "
-                         "use it with a scorer of attention mass (h2o, snapkv, tova, vatp, expected-attention, kvzip, ...)")
     if cls.budgets is not None and budget not in cls.budgets:
         raise KVMemError(f"method {name!r} decides how many tokens each head keeps itself: budget={budget!r} is not "
                          f"one it takes; choose {' or '.join(cls.budgets)}")
@@ -65,6 +62,10 @@ def get_method(spec: str, **options) -> Method:
         raise KVMemError("method 'full' keeps every token; it takes no budget or sliding option")
     check_options(name, cls, options)
     method = cls(**options)
+    if budget == "prefixkv" and method.signed_scores:  # on the instance: kvcrush's are its base method's
+        raise KVMemError(f"budget=prefixkv sizes layers by their share of score mass, and {name}'s scores are "
+                         "signed; use it with a scorer of attention mass (h2o, snapkv, tova, vatp, expected-attention, "
+                         "kvzip, ...)")
     method.budget, method.sliding, method.options = budget, sliding, options
     return method
 

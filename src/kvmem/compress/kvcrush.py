@@ -48,8 +48,10 @@ class KVCrush(Method):
     def __init__(self, base: str = "snapkv", fraction: float = 0.25, anchor: str = "random", source: str = "window",
                  window: int = 32, seed: int = 0):
         # a base that refits rows (attention-matching) or decides its own counts (finch) cannot share a budget
+        # (and one that keeps the prompt whole, moment-kv, or sizes its own heads, fastgen, has no share to give)
         usable = [m for m, cls in self.methods.items()
-                  if m not in ("full", "kvcrush") and cls.refit is Method.refit and cls.budgets is None]
+                  if m not in ("full", "kvcrush") and cls.refit is Method.refit and cls.budgets is None
+                  and not cls.decode_phase and not cls.own_budget]
         if base not in usable:
             raise KVMemError(f"kvcrush needs base= a method that scores and selects tokens; got base={base!r}; "
                              f"choose from {', '.join(usable)}")
@@ -65,6 +67,7 @@ class KVCrush(Method):
         self.fraction, self.anchor, self.source, self.window, self.seed = fraction, anchor, source, window, seed
         # what the cache must record is the base method's plus what the bits read
         self.needs_model = self.base_method.needs_model
+        self.signed_scores = self.base_method.signed_scores  # budget=prefixkv refuses a signed base (get_method)
         self.needs_attention = self.base_method.needs_attention or source == "accumulated"
         self.observe_window = max(self.base_method.observe_window, window if source == "window" else 0)
         self._distance: dict[int, Tensor] = {}
