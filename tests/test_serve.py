@@ -193,6 +193,7 @@ def test_models_health_and_metrics(client, server):
     ({"kvmem": {"method": "snapkv", "keep_ratio": 0}}, 400, "keep_ratio must be in (0, 1]"),
     ({"kvmem": {"method": "snapkv", "keep_ratio": 1.5}}, 400, "keep_ratio must be in (0, 1]"),
     ({"kvmem": {"quant": "kivi-9"}}, 400, "kivi-9"),
+    ({"kvmem": {"method": "moment-kv", "keep_ratio": 0.5}}, 400, "compresses only the tokens generated"),
     ({"max_tokens": -3}, 400, "max_tokens"),
     ({"n": 1000}, 400, "n=1000"),
     ({"temperature": 7}, 400, "temperature"),

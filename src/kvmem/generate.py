@@ -166,6 +166,16 @@ def answer(
                   p.reuse)
 
 
+def check_compressed_once(method: Method, keep_ratio: float) -> None:
+    """`prepare` (the one-call API, the CLI, the server) compresses once, after the prompt: a method that compresses
+    only what is generated (`Method.decode_phase`: moment-kv) would evict nothing there, so it is refused by name."""
+    if method.decode_phase and (keep_ratio < 1.0 or method.decode_budget is not None):
+        raise KVMemError(f"method {method.spec!r} compresses only the tokens generated, while decoding; this path "
+                         "compresses once, after the prompt, so it would keep everything. Run it inside generation: "
+                         f"KVCache(config, compressor=Compressor(get_method({method.spec!r}), {keep_ratio:g}, every=1)) "
+                         "with model.generate")
+
+
 @dataclass
 class Prepared:
     """A prompt read into its own cache, compressed as asked, ready to decode from `logits`."""
@@ -184,6 +194,7 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
     compress: it is read as it is. The cache comes back without scorer observations (none is planned after this). With `interrupt` (the server's cancelled requests), the prefill runs in pieces
     and `interrupt()` is called before each; it raises to stop."""
     m = get_method(method)
+    check_compressed_once(m, keep_ratio)
     ctx, q = prompt.context, prompt.question
     has_document = len(ctx) > prompt.head
     cache = new_cache(lm, m, quant)

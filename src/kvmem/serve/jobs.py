@@ -22,6 +22,7 @@ def check_model(server: Server, name: str) -> None:
 def options(server: Server, body: Generation) -> Options:
     """kvmem's options of this request: its `kvmem` object over the server's defaults, checked."""
     from kvmem.compress import get_method
+    from kvmem.generate import check_compressed_once
     from kvmem.quant import get_scheme
 
     defaults, k = server.defaults, body.kvmem or KVMemOptions()
@@ -37,6 +38,10 @@ def options(server: Server, body: Generation) -> Options:
             get_scheme(o.quant)
     except KVMemError as e:
         fail(400, str(e), param="kvmem.method" if "method" in str(e) else "kvmem.quant")
+    try:
+        check_compressed_once(get_method(o.method), o.keep_ratio)
+    except KVMemError as e:
+        fail(400, str(e), param="kvmem.method")
     if o.method.split(":")[0] == "full" and o.keep_ratio < 1.0:
         fail(400, "method 'full' keeps every token: give keep_ratio 1.0 or another method", param="kvmem.keep_ratio")
     if o.reuse not in REUSE_MODES:
