@@ -47,7 +47,7 @@ def _fmt(iv, digits: int = 2) -> str:
 
 
 def _cell_name(spec: str, ratio: float) -> str:
-    return "full" if spec == FULL else f"{spec} @ {ratio:g}"
+    return "full" if spec == FULL else spec if ratio == 1.0 else f"{spec} @ {ratio:g}"
 
 
 def _setting(key: tuple) -> str:
@@ -133,7 +133,7 @@ def pairwise(rows: list[dict]) -> list[str]:
             for b in at[i + 1:]:
                 d = paired_difference(a["scores"], b["scores"])
                 verdict = "significant" if d.significant else "n.s."
-                lines.append(f"- @ {k:g}: {a['method']} − {b['method']} = {_fmt(d)} ({verdict}; bytes held "
+                lines.append(f"- {'' if k == 1.0 else f'@ {k:g}: '}{a['method']} − {b['method']} = {_fmt(d)} ({verdict}; bytes held "
                              f"{a['bytes']:.2f} vs {b['bytes']:.2f} of full)")
     return lines
 
@@ -158,7 +158,8 @@ def plot(copy: dict, ppl: dict, out: Path) -> Path | None:
             ax.set_ylabel(label)
             ax.set_title(_setting(key))
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if rows:
+                ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "longgen.png"
     fig.savefig(path, dpi=110)
