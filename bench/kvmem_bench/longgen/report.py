@@ -72,18 +72,13 @@ def _grouped(records: list[dict], part: str) -> dict[tuple, dict]:
     return {key: {**full[key[0]], **recs} for key, recs in groups.items() if full[key[0]]}
 
 
-def _paired(recs: dict) -> tuple[list[tuple[str, float]], list[int]]:
-    """The group's cells, the full cache first, and the samples every cell has."""
-    cells = sorted({(m, k) for m, k, _ in recs}, key=lambda c: (c[0] != FULL, -c[1], c[0]))
-    samples = sorted(set.intersection(*({s for m, k, s in recs if (m, k) == c} for c in cells)))
-    return cells, samples
-
-
-def copy_rows(records: list[dict]) -> dict[tuple, list[dict]]:
-    """(model, every, extra_rows) -> one row per (method, ratio) on the samples every cell of the group has."""
+def _rows(records: list[dict], part: str, measure) -> dict[tuple, list[dict]]:
+    """(model, every, extra_rows) -> one row per (method, ratio) on the samples every cell of the group has:
+    `measure(records, full's records)` plus n and the mean bytes held over the full cache's."""
     out = {}
-    for key, recs in _grouped(records, "copy").items():
-        cells, samples = _paired(recs)
+    for key, recs in _grouped(records, part).items():
+        cells = sorted({(m, k) for m, k, _ in recs}, key=lambda c: (c[0] != FULL, -c[1], c[0]))
+        samples = sorted(set.intersection(*({s for m, k, s in recs if (m, k) == c} for c in cells)))
         if not samples:
             continue
         full = [recs[(FULL, 1.0, s)] for s in samples]
@@ -91,37 +86,34 @@ def copy_rows(records: list[dict]) -> dict[tuple, list[dict]]:
         rows = []
         for m, k in cells:
             rs = [recs[(m, k, s)] for s in samples]
-            scores = [r["score"] for r in rs]
-            rows.append(dict(
-                method=m, keep_ratio=k, n=len(rs), score=bootstrap_mean(scores),
-                vs_full=paired_difference(scores, [r["score"] for r in full]),
-                fidelity=bootstrap_mean([lcs_fraction(r["tokens"], f["tokens"]) for r, f in zip(rs, full)]),
-                repeats=bootstrap_mean([repeated_4grams(r["tokens"]) for r in rs]),
-                tokens=sorted(len(r["tokens"]) for r in rs)[len(rs) // 2],
-                bytes=sum(r["mean_kv_bytes"] for r in rs) / len(rs) / full_bytes,
-                scores=scores))
-        out[key] = rows
-    return out
-
-
-def ppl_rows(records: list[dict]) -> dict[tuple, list[dict]]:
-    """(model, every, extra_rows) -> one row per (method, ratio): streaming perplexity and Δppl against the full cache."""
-    out = {}
-    for key, recs in _grouped(records, "ppl").items():
-        cells, samples = _paired(recs)
-        if not samples:
-            continue
-        full = [recs[(FULL, 1.0, s)] for s in samples]
-        full_bytes = sum(r["mean_kv_bytes"] for r in full) / len(full)
-        rows = []
-        for m, k in cells:
-            rs = [recs[(m, k, s)] for s in samples]
-            nll = [x for r in rs for x in r["nll"]]
-            rows.append(dict(method=m, keep_ratio=k, n=len(rs), tokens=len(nll), ppl=math.exp(sum(nll) / len(nll)),
-                             delta=delta_ppl([(r["nll"], f["nll"]) for r, f in zip(rs, full)], PPL_BLOCK),
+            rows.append(dict(method=m, keep_ratio=k, n=len(rs), **measure(rs, full),
                              bytes=sum(r["mean_kv_bytes"] for r in rs) / len(rs) / full_bytes))
         out[key] = rows
     return out
+
+
+def _copy_measures(rs: list[dict], full: list[dict]) -> dict:
+    scores = [r["score"] for r in rs]
+    return dict(score=bootstrap_mean(scores), vs_full=paired_difference(scores, [r["score"] for r in full]),
+                fidelity=bootstrap_mean([lcs_fraction(r["tokens"], f["tokens"]) for r, f in zip(rs, full)]),
+                repeats=bootstrap_mean([repeated_4grams(r["tokens"]) for r in rs]),
+                tokens=sorted(len(r["tokens"]) for r in rs)[len(rs) // 2], scores=scores)
+
+
+def _ppl_measures(rs: list[dict], full: list[dict]) -> dict:
+    nll = [x for r in rs for x in r["nll"]]
+    return dict(tokens=len(nll), ppl=math.exp(sum(nll) / len(nll)),
+                delta=delta_ppl([(r["nll"], f["nll"]) for r, f in zip(rs, full)], PPL_BLOCK))
+
+
+def copy_rows(records: list[dict]) -> dict[tuple, list[dict]]:
+    """The copy task's rows: score, paired difference with the full cache, fidelity, repeats, median tokens."""
+    return _rows(records, "copy", _copy_measures)
+
+
+def ppl_rows(records: list[dict]) -> dict[tuple, list[dict]]:
+    """Streaming perplexity's rows: perplexity and Δppl against the full cache (paired block bootstrap)."""
+    return _rows(records, "ppl", _ppl_measures)
 
 
 def pairwise(rows: list[dict]) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kvmem.cache import KVCache
+from kvmem.errors import KVMemError
 from kvmem.layer import KVLayer
 from kvmem.observe import Observation
 from kvmem.spec import format_spec
@@ -71,6 +72,19 @@ class ModelContext:
     # set by compress() for the call: the keep ratio of each layer, for methods whose scoring evicts as it goes (finch)
     keep_ratios: list[float] | None = None
     question: list[int] = field(default_factory=list)
+
+
+def memoized_replay(context: ModelContext | None, cache: KVCache, name: str, key: tuple, compute):
+    """`compute(lm, ids)` on the prompt the cache holds, once per `key` per context (one replay serves every keep ratio
+    tried on copies of one cache); a missing or mismatched context is refused naming the method."""
+    ids = list(context.ids) if context is not None else []
+    if not ids or len(ids) > cache.get_seq_length():
+        raise KVMemError(f"{name} scores the prompt the cache holds by replaying it: pass context=ModelContext(lm, ids) "
+                         "with the ids it holds from position 0")
+    memo_key = (name, *key, len(ids))
+    if memo_key not in context.memo:
+        context.memo[memo_key] = compute(context.lm, ids)
+    return context.memo[memo_key]
 
 
 SLIDING = ("compress", "keep")  # a method's `sliding` option: what compression does to sliding-window layers

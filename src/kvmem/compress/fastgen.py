@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from kvmem.cache import KVCache
-from kvmem.compress.base import HeadView, Method, ModelContext, causal_logits, replay
+from kvmem.compress.base import HeadView, Method, ModelContext, causal_logits, memoized_replay, replay
 from kvmem.errors import KVMemError
 
 POLICIES = ("special", "special+punct", "special+punct+frequent", "special+punct+frequent+local", "full")
@@ -87,21 +87,14 @@ class FastGen(Method):
         self._recovery: dict[int, Tensor] = {}
 
     def score_cache(self, views: dict[int, list[HeadView]], cache: KVCache, context: ModelContext) -> dict[int, list[Tensor]]:
-        ids = list(context.ids)
-        if not ids or len(ids) > cache.get_seq_length():
-            raise KVMemError("fastgen profiles the prompt the cache holds: pass context=ModelContext(lm, ids) with the "
-                             "ids it holds from position 0")
-        key = ("fastgen", self.local, self.frequent, len(ids))
-        if key not in context.memo:  # one replay serves every keep ratio of copies of one cache
-            context.memo[key] = self.profile_prompt(context.lm, ids)
-        levels, recovery = context.memo[key]
+        levels, recovery = memoized_replay(context, cache, "fastgen", (self.local, self.frequent), self.profile_prompt)
         out = {}
         self._recovery = {i: recovery[i] for i in views}
         for i, heads in views.items():
             out[i] = []
             for view in heads:
                 level = torch.full((view.positions.numel(),), 3, dtype=torch.long)  # past the prompt: local tokens
-                inside = view.positions < len(ids)
+                inside = view.positions < len(context.ids)
                 level[inside] = levels[i][view.head][view.positions[inside].long()]
                 out[i].append(level_scores(level, recovery[i][view.head]))
         return out

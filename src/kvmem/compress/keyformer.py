@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kvmem.cache import KVCache
-from kvmem.compress.base import HeadView, Method, ModelContext, causal_logits, replay
+from kvmem.compress.base import HeadView, Method, ModelContext, causal_logits, memoized_replay, replay
 from kvmem.compress.h2o import H2O
 from kvmem.errors import KVMemError
 
@@ -54,16 +54,10 @@ class Keyformer(Method):
         self.recent_fraction, self.tau, self.seed = recent_fraction, float(tau), seed
 
     def score_cache(self, views: dict[int, list[HeadView]], cache: KVCache, context: ModelContext) -> dict[int, list[Tensor]]:
-        ids = list(context.ids)
-        if not ids or len(ids) > cache.get_seq_length():
-            raise KVMemError("keyformer scores the prompt the cache holds: pass context=ModelContext(lm, ids) with the "
-                             "ids it holds from position 0")
-        key = ("keyformer", self.tau, self.seed, len(ids))
-        if key not in context.memo:  # one replay serves every keep ratio of copies of one cache
-            context.memo[key] = self.prompt_scores(context.lm, ids)
+        scores = memoized_replay(context, cache, "keyformer", (self.tau, self.seed), self.prompt_scores)
         out = {}
         for i, heads in views.items():
-            s = context.memo[key][i]
+            s = scores[i]
             s = torch.cat([s, s.new_zeros((s.shape[0], cache.get_seq_length() - s.shape[1]))], 1)  # after the prompt: 0
             out[i] = [s[view.head][view.positions.long()] for view in heads]
         return out
