@@ -100,6 +100,24 @@ def test_keeps_the_prompt_and_the_top_momentum_generated_rows(run):
     assert [generated(p) for p in c.layers[7].head_positions] != [generated(p) for p in rnd.layers[7].head_positions]
 
 
+def test_recent_keeps_the_newest_generated_rows_then_the_top_momentum(run):
+    """moment-kv:recent=4: each head keeps its 4 newest generated rows, the rest of its budget by momentum; without
+    `recent` the newest rows are not all kept (the row just generated has one step of attention)."""
+    _, cache, attn = run
+    n_keep, recent = math.ceil(0.25 * N_GEN), 4
+    newest = set(range(N_PROMPT + N_GEN - recent, N_PROMPT + N_GEN))
+    c, plain = cache.clone(), cache.clone()
+    compress(c, get_method(f"moment-kv:decay={DECAY}:recent={recent}"), 0.25)
+    compress(plain, get_method(f"moment-kv:decay={DECAY}"), 0.25)
+    for li in LAYERS:
+        for h, p in enumerate(c.layers[li].head_positions):
+            kept = generated(p)
+            assert len(kept) == n_keep and newest <= kept
+            older = momentum(attn[li], h, DECAY)[N_PROMPT:N_PROMPT + N_GEN - recent]
+            assert kept - newest == {N_PROMPT + int(i) for i in older.topk(n_keep - recent).indices}
+    assert any(not newest <= generated(p) for li in LAYERS for p in plain.layers[li].head_positions)
+
+
 def test_memory_is_freed_and_the_fixed_decode_budget(run, smollm2):
     _, cache, _ = run
     keys = cache.layers[0].head_keys[0]
@@ -148,6 +166,7 @@ def test_model_generate_with_a_compressor_keeps_the_prompt_and_the_decode_budget
 def test_bad_options_are_refused_by_name(smollm2):
     for spec, name in [("moment-kv:decay=0", "decay"), ("moment-kv:decay=1.5", "decay"),
                        ("moment-kv:decode_budget=0", "decode_budget"), ("moment-kv:decode_budget=2.5", "decode_budget"),
+                       ("moment-kv:recent=-1", "recent"),
                        ("moment-kv:window=8", "window")]:
         with pytest.raises(KVMemError, match=name):
             get_method(spec)

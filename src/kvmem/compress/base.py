@@ -87,6 +87,16 @@ def memoized_replay(context: ModelContext | None, cache: KVCache, name: str, key
     return context.memo[memo_key]
 
 
+def keep_recent_and_top(head: HeadView, score: Tensor, n_keep: int, n_recent: int) -> Tensor:
+    """Indices of the `n_recent` newest rows (by position) plus the `n_keep - n_recent` best-scoring older ones:
+    H2O's heavy hitters + recent window, and Moment-KV's `recent=`."""
+    n_recent = min(n_recent, n_keep)
+    order = head.positions.argsort()
+    recent = order[order.numel() - n_recent:] if n_recent else order[:0]
+    older = order[: order.numel() - n_recent]
+    return torch.cat([older[score[older].topk(n_keep - n_recent).indices], recent])
+
+
 SLIDING = ("compress", "keep")  # a method's `sliding` option: what compression does to sliding-window layers
 
 

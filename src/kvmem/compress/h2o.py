@@ -7,10 +7,9 @@ Accumulated attention is the column sum of softmax attention over every query se
 decode), averaged over the query heads sharing a KV head.
 """
 
-import torch
 from torch import Tensor
 
-from kvmem.compress.base import HeadView, Method
+from kvmem.compress.base import HeadView, Method, keep_recent_and_top
 
 
 class H2O(Method):
@@ -24,9 +23,4 @@ class H2O(Method):
         return head.attention.mean(dim=0)
 
     def select(self, head: HeadView, score: Tensor, n_keep: int) -> Tensor:
-        n_recent = int(n_keep * self.recent_fraction)
-        order = head.positions.argsort()
-        recent = order[order.numel() - n_recent:] if n_recent else order[:0]
-        older = order[: order.numel() - n_recent]
-        heavy = older[score[older].topk(n_keep - n_recent).indices]
-        return torch.cat([heavy, recent])
+        return keep_recent_and_top(head, score, n_keep, int(n_keep * self.recent_fraction))

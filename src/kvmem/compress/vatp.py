@@ -18,10 +18,9 @@ score is averaged over the query heads sharing a KV head, as kvmem's h2o does; t
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from kvmem.compress.base import HeadView, Method
+from kvmem.compress.base import HeadView, Method, keep_recent_and_top
 from kvmem.errors import KVMemError
 
 SOURCES = ("accumulated", "window")
@@ -52,9 +51,4 @@ class VATP(Method):
         return score
 
     def select(self, head: HeadView, score: Tensor, n_keep: int) -> Tensor:
-        n_recent = min(WINDOW_RECENT, n_keep) if self.source == "window" else n_keep // 2
-        order = head.positions.argsort()
-        recent = order[order.numel() - n_recent:] if n_recent else order[:0]
-        older = order[: order.numel() - n_recent]
-        heavy = older[score[older].topk(n_keep - n_recent).indices]
-        return torch.cat([heavy, recent])
+        return keep_recent_and_top(head, score, n_keep, WINDOW_RECENT if self.source == "window" else n_keep // 2)
