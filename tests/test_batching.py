@@ -180,6 +180,27 @@ def test_a_swapped_cache_comes_back_bit_for_bit(smollm2, spec, ratio, quant):
         unpack_cache(blob, new_cache(lm, get_method(spec), quant), "0" * 64)
 
 
+def test_a_swapped_decode_phase_row_resumes_evicting_as_before(smollm2):
+    """A moment-kv row swapped out mid-decoding takes its momentum and prompt end along: resumed, it holds the same
+    rows and evicts the same ones at the next steps as the row that never left."""
+    from kvmem.compress import compress_while_decoding
+
+    lm, spec = smollm2, "moment-kv:decode_budget=3"
+    p = build_prompt(lm.tokenizer, open(__file__).read()[:800], "What does this test?")
+    cache = new_cache(lm, get_method(spec))
+    feed(lm, cache, p.ids)
+    compress_while_decoding(cache, get_method(spec), 1.0)
+    for t in (11, 12, 13, 14, 15):
+        feed(lm, cache, [t])
+    back = unpack_cache(pack_cache(cache, lm.fingerprint), new_cache(lm, get_method(spec)), lm.fingerprint)
+    assert back.layers[0].observation.prompt_end == len(p.ids)
+    compress_while_decoding(back, get_method(spec), 1.0, back.layers[0].observation.prompt_end)
+    for t in (16, 17, 18):
+        assert torch.equal(feed(lm, cache, [t]), feed(lm, back, [t]))
+        assert [a.tolist() for a in cache.layers[5].head_positions] == [b.tolist() for b in back.layers[5].head_positions]
+    assert cache.tokens_held() == back.tokens_held() == [[len(p.ids) + 3] * 3] * len(cache.layers)
+
+
 def test_a_damaged_swap_file_fails_its_request_only(smollm2):
     """A preempted row whose swapped KV fails verification is not decoded from it: its request gets an error, and
     the scheduler goes on with the others."""

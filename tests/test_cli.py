@@ -44,7 +44,7 @@ def test_methods_lists_compression_and_embedding_methods():
         (["eval", "--ratios", "0.5,abc"], "comma-separated list of float"),
         (["eval", "--lengths", "99999", "--tasks", "passkey"], "longer than smollm2-135m allows"),
         (["eval", "--methods", "moment-kv"], "`kvmem eval --suite longgen`"),
-        (["generate", "--prompt", "hi", "--method", "moment-kv", "--keep-ratio", "0.5"], "compresses only the tokens generated"),
+        (["generate", "--prompt", "hi", "--method", "moment-kv:recent=-1", "--keep-ratio", "0.5"], "recent=-1"),
         (["eval", "--suite", "longgen", "--methods", "kvzip"], "needs the model"),
         (["eval", "--suite", "longgen", "--extra-rows", "0"], "below 1 without extra_rows"),
     ],

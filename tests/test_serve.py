@@ -125,6 +125,13 @@ def test_text_completions(client):
     assert streamed == a.choices[0].text
 
 
+def test_a_decode_phase_method_per_request(client):
+    """moment-kv evicts generated rows while the server decodes (the prompt stays whole); the answer still comes."""
+    body = {"kvmem": {"method": "moment-kv:decode_budget=4", "use_store": False}}
+    a = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=12, extra_body=body)
+    assert a.choices[0].message.content and a.model_extra["kvmem"]["method"] == "moment-kv:decode_budget=4"
+
+
 def test_per_request_compression_and_its_reuse(client, smollm2):
     messages = [{"role": "system", "content": system_prompt()},
                 {"role": "user", "content": "In one sentence, what is the first abstract about?"}]
@@ -193,7 +200,8 @@ def test_models_health_and_metrics(client, server):
     ({"kvmem": {"method": "snapkv", "keep_ratio": 0}}, 400, "keep_ratio must be in (0, 1]"),
     ({"kvmem": {"method": "snapkv", "keep_ratio": 1.5}}, 400, "keep_ratio must be in (0, 1]"),
     ({"kvmem": {"quant": "kivi-9"}}, 400, "kivi-9"),
-    ({"kvmem": {"method": "moment-kv", "keep_ratio": 0.5}}, 400, "compresses only the tokens generated"),
+    ({"kvmem": {"method": "moment-kv:decay=2", "keep_ratio": 0.5}}, 400, "decay=2"),
+    ({"kvmem": {"method": "snapkv:window=-3"}}, 400, "window"),
     ({"max_tokens": -3}, 400, "max_tokens"),
     ({"n": 1000}, 400, "n=1000"),
     ({"temperature": 7}, 400, "temperature"),
@@ -208,6 +216,8 @@ def test_bad_requests_get_openai_errors(server, change, status, words):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert words in error["message"] and error["type"]
+    if "kvmem" in change and set(change["kvmem"]) <= {"method", "quant"}:  # the field at fault is named
+        assert error["param"] == "kvmem." + next(k for k in ("quant", "method") if k in change["kvmem"])
 
 
 def test_errors_through_the_client_and_the_server_stays_up(client, server):

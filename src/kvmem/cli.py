@@ -68,13 +68,10 @@ def _check_cache_options(method: str, keep_ratio: float, quant: str | None) -> N
     from kvmem.compress.evict import check_keep_ratio
     from kvmem.quant import get_scheme
 
-    from kvmem.generate import check_compressed_once
-
     m = get_method(method)
     if quant:
         get_scheme(quant)
     check_keep_ratio(keep_ratio, 1)
-    check_compressed_once(m, keep_ratio)
     if m.name == "full" and keep_ratio < 1.0:
         raise KVMemError("method 'full' keeps every token; use --keep-ratio 1.0 or another method")
 

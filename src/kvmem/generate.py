@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kvmem.cache import KVCache
-from kvmem.compress import Method, ModelContext, compress, get_method
+from kvmem.compress import Method, ModelContext, compress, compress_while_decoding, get_method
 from kvmem.errors import KVMemError
 from kvmem.forward import feed, feed_pieces
 from kvmem.models import LoadedModel
@@ -166,16 +166,6 @@ def answer(
                   p.reuse)
 
 
-def check_compressed_once(method: Method, keep_ratio: float) -> None:
-    """`prepare` (the one-call API, the CLI, the server) compresses once, after the prompt: a method that compresses
-    only what is generated (`Method.decode_phase`: moment-kv) would evict nothing there, so it is refused by name."""
-    if method.decode_phase and (keep_ratio < 1.0 or method.decode_budget is not None):
-        raise KVMemError(f"method {method.spec!r} compresses only the tokens generated, while decoding; this path "
-                         "compresses once, after the prompt, so it would keep everything. Run it inside generation: "
-                         f"KVCache(config, compressor=Compressor(get_method({method.spec!r}), {keep_ratio:g}, every=1)) "
-                         "with model.generate")
-
-
 @dataclass
 class Prepared:
     """A prompt read into its own cache, compressed as asked, ready to decode from `logits`."""
@@ -191,13 +181,24 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
             quant: str | None = None, store=None, interrupt=None) -> Prepared:
     """Prefill `prompt` into a new cache and compress its context with `method` (`answer` without the decoding;
     the server decodes with its own sampling). A prompt whose context is the template head alone has nothing to
-    compress: it is read as it is. The cache comes back without scorer observations (none is planned after this). With `interrupt` (the server's cancelled requests), the prefill runs in pieces
-    and `interrupt()` is called before each; it raises to stop."""
+    compress: it is read as it is. The cache comes back without scorer observations (none is planned after this),
+    except for a decode-phase method (moment-kv): the prompt is kept whole and the cache evicts generated rows at every
+    decoding step (`compress_while_decoding`; `query_aware` changes nothing there). With `interrupt` (the server's
+    cancelled requests), the prefill runs in pieces and `interrupt()` is called before each; it raises to stop."""
     m = get_method(method)
-    check_compressed_once(m, keep_ratio)
     ctx, q = prompt.context, prompt.question
     has_document = len(ctx) > prompt.head
     cache = new_cache(lm, m, quant)
+    if m.evicts_while_decoding(keep_ratio):
+        # a decode-phase method (moment-kv) keeps the prompt whole and evicts generated rows as they come: the prompt
+        # is read as it is (a stored prefix reused), then the cache compresses itself at every decoding step
+        if store is not None:
+            logits, _, _, report = _prefill_with_store(lm, cache, get_method("full"), 1.0, False, quant, prompt, store,
+                                                       has_document, interrupt)
+        else:
+            logits, report = feed_pieces(lm, cache, ctx + q, interrupt), None
+        compress_while_decoding(cache, m, keep_ratio)
+        return Prepared(cache, logits, cache.kv_bytes(), cache.kv_bytes(), report)
     if store is not None:
         logits, full_bytes, kept, report = _prefill_with_store(lm, cache, m, keep_ratio, query_aware, quant, prompt, store,
                                                                has_document, interrupt)

@@ -11,7 +11,7 @@ from kvmem.compress.base import SLIDING, HeadView, Method, ModelContext
 from kvmem.compress.budget import BUDGETS
 from kvmem.compress.curdkv import CurDKV
 from kvmem.compress.dapq import DapQ
-from kvmem.compress.evict import CompressionResult, Compressor, compress
+from kvmem.compress.evict import CompressionResult, Compressor, compress, compress_while_decoding
 from kvmem.compress.expected_attention import ExpectedAttention
 from kvmem.compress.fastgen import FastGen
 from kvmem.compress.finch import Finch
@@ -71,4 +71,4 @@ def get_method(spec: str, **options) -> Method:
 
 
 __all__ = ["BUDGETS", "METHODS", "CompressionResult", "Compressor", "HeadView", "Method", "ModelContext", "compress",
-           "get_method"]
+           "compress_while_decoding", "get_method"]

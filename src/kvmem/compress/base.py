@@ -120,6 +120,10 @@ class Method:
     sliding: str = "compress"  # or "keep": sliding-window layers are left whole (SLIDING)
     options: dict = {}  # the spec's options other than budget and sliding, for `spec`
 
+    def evicts_while_decoding(self, keep_ratio: float) -> bool:
+        """Whether this is a decode-phase method with generated rows to evict at `keep_ratio` (or its decode budget)."""
+        return self.decode_phase and (keep_ratio < 1.0 or self.decode_budget is not None)
+
     def score(self, head: HeadView) -> Tensor:
         """(T,) importance per token; the highest `n_keep` are kept."""
         raise NotImplementedError

@@ -298,6 +298,27 @@ class Compressor:
                 self._compress(layer, layer_idx, ratio)
 
 
+def compress_while_decoding(cache: KVCache, method: Method, keep_ratio: float,
+                            prompt_end: int | None = None) -> None:
+    """Make a cache that has read its prompt evict as it decodes, for a decode-phase method (Moment-KV): from the next
+    forward on, each head keeps every row before `prompt_end` (default: the position the cache has reached, i.e. its
+    whole prompt) and ceil(keep_ratio x tokens generated) of the later rows, or the method's `decode_budget`, chosen
+    by the method at every forward. What `answer`, `kvmem generate` and the server do for such a method (their
+    prefill may run in pieces, so the prompt's end is set here, not taken from the first forward); `Compressor` in
+    `KVCache(compressor=...)` does the same from a cache's first forward."""
+    if not method.decode_phase:
+        raise KVMemError(f"method {method.spec!r} compresses the prompt: use compress(), not compress_while_decoding")
+    seen = cache.layers[0].observation
+    if not seen.track_attention or seen.decay != method.attention_decay:
+        raise KVMemError(f"method {method.spec!r} scores rows by attention decayed by {method.attention_decay:g} per step; "
+                         "this cache does not track it (make it with kvmem.generate.new_cache(lm, method))")
+    compressor = Compressor(method, keep_ratio, every=1).bind(len(cache.layers))
+    for i, layer in enumerate(cache.layers):
+        layer.compressor = compressor
+        layer.observation.prompt_end = layer.next_position if prompt_end is None else prompt_end
+        compressor._budget[i], compressor._steps[i] = _budgeted_rows(layer), 0  # the prompt is read: decoding follows
+
+
 def _budgeted_rows(layer: KVLayer) -> int:
     """The most rows a head of `layer` holds that count against the budget: all of them, or, where evicted rows
     are demoted instead (mixed precision, quant/mikv.py), the high-precision ones."""

@@ -22,7 +22,6 @@ def check_model(server: Server, name: str) -> None:
 def options(server: Server, body: Generation) -> Options:
     """kvmem's options of this request: its `kvmem` object over the server's defaults, checked."""
     from kvmem.compress import get_method
-    from kvmem.generate import check_compressed_once
     from kvmem.quant import get_scheme
 
     defaults, k = server.defaults, body.kvmem or KVMemOptions()
@@ -32,16 +31,12 @@ def options(server: Server, body: Generation) -> Options:
     if not 0.0 < o.keep_ratio <= 1.0:
         fail(400, f"keep_ratio must be in (0, 1] (the fraction of the KV cache kept); got {o.keep_ratio}",
              param="kvmem.keep_ratio")
-    try:
-        get_method(o.method)
-        if o.quant:
-            get_scheme(o.quant)
-    except KVMemError as e:
-        fail(400, str(e), param="kvmem.method" if "method" in str(e) else "kvmem.quant")
-    try:
-        check_compressed_once(get_method(o.method), o.keep_ratio)
-    except KVMemError as e:
-        fail(400, str(e), param="kvmem.method")
+    for param, check in (("kvmem.method", lambda: get_method(o.method)),
+                         ("kvmem.quant", lambda: o.quant and get_scheme(o.quant))):
+        try:
+            check()
+        except KVMemError as e:
+            fail(400, str(e), param=param)
     if o.method.split(":")[0] == "full" and o.keep_ratio < 1.0:
         fail(400, "method 'full' keeps every token: give keep_ratio 1.0 or another method", param="kvmem.keep_ratio")
     if o.reuse not in REUSE_MODES:

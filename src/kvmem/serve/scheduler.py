@@ -59,7 +59,7 @@ import torch
 
 from kvmem.batch import RowBatch
 from kvmem.cache import KVCache
-from kvmem.compress import get_method
+from kvmem.compress import compress_while_decoding, get_method
 from kvmem.errors import KVMemError
 from kvmem.forward import feed, step
 from kvmem.generate import end_ids, new_cache
@@ -374,7 +374,11 @@ class Scheduler:
                 if (request := self.requests.get(row.job)) is not None:
                     self._fail(request, 500, "server_error", f"a preempted sequence could not resume: {e}")
                 continue
-            cache.drop_observations()  # as after its prefill: no scorer runs again
+            method = get_method(o.method)
+            if method.evicts_while_decoding(o.keep_ratio):  # its momentum came back with it: it goes on evicting
+                compress_while_decoding(cache, method, o.keep_ratio, cache.layers[0].observation.prompt_end)
+            else:
+                cache.drop_observations()  # as after its prefill: no scorer runs again
             row.cache, row.swapped, row.kv_bytes = cache, None, cache.kv_bytes()
             self.batch.join(cache)
             self.rows.append(row)
