@@ -172,7 +172,7 @@ def methods_() -> None:
                 if p.name not in skip and p.default is not p.empty]
 
     console.print("[bold underline]compression[/bold underline] (kvmem generate/eval --method NAME[:option=value...])")
-    own = ", ".join(name for name, cls in METHODS.items() if cls.own_budget)
+    own = ", ".join(name for name, cls in METHODS.items() if cls.budgets == ())
     console.print(f"every method (but those that size their heads themselves: {own}) also takes budget= one of "
                   f"{', '.join(BUDGETS)} (see kvmem/compress/budget.py), and "
                   "sliding=keep (leave sliding-window layers whole) or sliding=compress (the default)")

@@ -47,7 +47,7 @@ def get_method(spec: str, **options) -> Method:
     name, spec_options = parse_spec(spec, METHODS, "method")
     options = {**spec_options, **options}
     cls = METHODS[name]
-    if cls.own_budget and "budget" in options:
+    if cls.budgets == () and "budget" in options:
         raise KVMemError(f"method {name!r} sizes its heads itself (its own policies choose the tokens); it takes no "
                          f"budget option (got budget={options['budget']!r})")
     budget, sliding = options.pop("budget", cls.budget), options.pop("sliding", cls.sliding)
@@ -55,7 +55,7 @@ def get_method(spec: str, **options) -> Method:
         raise KVMemError(f"unknown budget {budget!r} in {spec!r}; choose from {', '.join(BUDGETS)}")
     if sliding not in SLIDING:
         raise KVMemError(f"sliding={sliding!r} in {spec!r}: choose {' or '.join(SLIDING)} (what happens to sliding-window layers)")
-    if cls.budgets is not None and budget not in cls.budgets:
+    if cls.budgets and budget not in cls.budgets:
         raise KVMemError(f"method {name!r} decides how many tokens each head keeps itself: budget={budget!r} is not "
                          f"one it takes; choose {' or '.join(cls.budgets)}")
     if name == "full" and (budget != "uniform" or sliding != cls.sliding):

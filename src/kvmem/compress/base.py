@@ -109,13 +109,14 @@ class Method:
     observe_window: ClassVar[int] = 0  # how many recent queries `score` reads
     needs_model: ClassVar[bool] = False  # scores by running the model: compress() needs `context=`
     signed_scores: ClassVar[bool] = False  # scores may be negative (not a mass): budget=prefixkv refuses the method
-    own_budget: ClassVar[bool] = False  # sizes its heads itself (`counts`): get_method refuses a budget option
     # compresses only the rows generated after the prompt (the cache's first forward, `Observation.prompt_end`); the
     # prompt's rows are always kept (Moment-KV). The keep ratio then applies to the generated rows.
     decode_phase: ClassVar[bool] = False
     decode_budget: int | None = None  # decode-phase methods: a fixed number of generated rows per head instead
     attention_decay: float = 1.0  # the per-step decay tracked attention must have been accumulated with (observe.py)
-    budgets: ClassVar[tuple[str, ...] | None] = None  # the allocators the method works with (None: every one)
+    # the allocators (budget.py) the method takes: None, every one; a tuple, only those (finch: uniform); (), none: it
+    # sizes its heads itself (`counts`: FastGen's policies) and a budget option is refused
+    budgets: ClassVar[tuple[str, ...] | None] = None
     budget: str = "uniform"  # the allocator (budget.py); get_method sets it from the spec
     sliding: str = "compress"  # or "keep": sliding-window layers are left whole (SLIDING)
     options: dict = {}  # the spec's options other than budget and sliding, for `spec`
@@ -137,7 +138,7 @@ class Method:
         return {layer: self.score_layer(heads) for layer, heads in views.items()}
 
     def counts(self, scores: dict[int, list[Tensor]], shares: dict[int, list[int]]) -> dict[int, list[int]]:
-        """Tokens each head keeps, for methods that size their heads themselves (`own_budget`: FastGen's policies);
+        """Tokens each head keeps, for methods that size their heads themselves (`budgets = ()`: FastGen's policies);
         `scores` are the compressible tokens' scores per layer and head, `shares` each head's uniform share."""
         raise NotImplementedError
 

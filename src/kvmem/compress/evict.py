@@ -166,7 +166,7 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
     aligned = {i: all(n == sizes[i][0] and torch.equal(h.positions[lo:hi], heads[0].positions[spans[i][0][0]:spans[i][0][1]])
                       for h, n, (lo, hi) in zip(heads, sizes[i], spans[i])) for i, heads in views.items()}
     compressible = {i: [s[lo:hi] for s, (lo, hi) in zip(scores[i], spans[i])] for i in views}
-    counts = method.counts(compressible, shares) if method.own_budget else \
+    counts = method.counts(compressible, shares) if method.budgets == () else \
         allocate(method.budget, compressible, shares, n_layers, head_scores, aligned)
     # a razor compensation token takes a slot of its head's share; when the shares leave none (a context of a few
     # tokens, every head at its one-row minimum) no compensation token is added, so the budget still holds

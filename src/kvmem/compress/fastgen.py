@@ -74,7 +74,7 @@ def punct_mask(tokenizer, ids: list[int]) -> Tensor:
 class FastGen(Method):
     name = "fastgen"
     needs_model = True
-    own_budget = True  # its policies size every head: get_method refuses a budget option
+    budgets = ()  # its policies size every head (`counts`): get_method refuses a budget option
 
     def __init__(self, threshold: float = 1.0, local: float = 0.3, frequent: float = 0.3):
         if not 0.0 < threshold <= 1.0:

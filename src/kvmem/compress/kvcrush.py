@@ -51,7 +51,7 @@ class KVCrush(Method):
         # (and one that keeps the prompt whole, moment-kv, or sizes its own heads, fastgen, has no share to give)
         usable = [m for m, cls in self.methods.items()
                   if m not in ("full", "kvcrush") and cls.refit is Method.refit and cls.budgets is None
-                  and not cls.decode_phase and not cls.own_budget]
+                  and not cls.decode_phase]
         if base not in usable:
             raise KVMemError(f"kvcrush needs base= a method that scores and selects tokens; got base={base!r}; "
                              f"choose from {', '.join(usable)}")
