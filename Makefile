@@ -132,7 +132,7 @@ bench-batching: setup
 # (every=1, as H2O and TOVA evict) each head back to the prompt + 64 rows, while Qwen copies a 24-entry list from its
 # prompt (its full cache copies it whole; SmolLM2's does not), and SmolLM2's streaming perplexity of a held-out
 # 512-token continuation. About 2 h (copy) + 0.5 h (perplexity) on 1 thread.
-LONGGEN_METHODS := streaming-llm,h2o,tova,moment-kv
+LONGGEN_METHODS := streaming-llm,h2o,tova,moment-kv,moment-kv:recent=16
 LONGGEN := --methods $(LONGGEN_METHODS) --ratios 1.0 --every 1 --extra-rows 64 --samples 30 --texts 10 --threads 1 --out results/longgen
 bench-longgen: setup
 	$(KVMEM) eval --suite longgen --models qwen2.5-coder-0.5b --parts copy $(LONGGEN)
