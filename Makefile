@@ -143,7 +143,7 @@ bench-longgen: setup
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first samples a task that
 # race.COSTLY_FIRST names (10).
 race: setup race-setup
-	$(KVMEM) race --presses random,streaming-llm,snapkv,tova,knorm,expected-attention,ada-expected-attention,keydiff,pyramidkv,kvzip,observed-attention --settings agnostic,aware
+	$(KVMEM) race --presses random,streaming-llm,snapkv,tova,knorm,expected-attention,ada-expected-attention,keydiff,pyramidkv,finch,kvzip,observed-attention --settings agnostic,aware
 	$(PY) -m kvmem_bench.readme longctx
 
 # The kvpress side of `make race`: kvpress 0.5.5 pins transformers<5.3, kvmem needs 5.24, so it gets its

@@ -4,7 +4,9 @@ the race tables and the README block."""
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +114,7 @@ def test_race_export_puts_the_question_into_the_aware_context(tmp_path):
     """Both libraries read the same tokens: aware = the agnostic context + the question but its last token."""
     import pytest
 
+    from kvmem.compress.finch import Finch
     from kvmem.errors import KVMemError
     from kvmem_bench.longctx.race import export_tasks
 
@@ -124,8 +127,41 @@ def test_race_export_puts_the_question_into_the_aware_context(tmp_path):
         assert (agnostic["setting"], aware["setting"]) == ("agnostic", "aware") and agnostic["sample"] == aware["sample"]
         assert aware["context_ids"] == agnostic["context_ids"] + agnostic["question_ids"][:-1]
         assert aware["question_ids"] == agnostic["question_ids"][-1:] and aware["answers"] == agnostic["answers"]
+        # FinchPress's query: the question's tokens (aware), kvmem finch's stand-in, the context's last 32 (agnostic)
+        assert aware["context_ids"][-aware["query_window"]:] == agnostic["question_ids"][:-1]
+        assert agnostic["query_window"] == Finch().window < len(agnostic["context_ids"])
     with pytest.raises(KVMemError, match="unknown setting 'both'"):
         export_tasks(tmp_path, path, samples=2, settings=("both",))
+    with pytest.raises(KVMemError, match="task 'passkey' is not a usable swept task"):
+        export_tasks(tmp_path, path, samples=2, tasks=["passkey"])
+
+
+def test_race_pairs_kvmem_finch_with_kvpress_finch(tmp_path):
+    """`kvmem race --presses finch` races FinchPress under kvmem's name: the fidelity table pairs the two."""
+    out, race = tmp_path / "longctx", tmp_path / "race"
+    out.mkdir()
+    race.mkdir()
+    (out / "records.jsonl").write_text("\n".join(json.dumps(r) for r in records({**METHODS, "finch": {0.5: 0.7}})))
+    press = [dict(r, library="kvpress", press_s=0.1) for r in records({"full": {1.0: 0.95}, "finch": {0.5: 0.6}})]
+    (race / "records.jsonl").write_text("\n".join(json.dumps(r) for r in press))
+    write_report(out, race, tmp_path / "speed")
+    assert "| m @ 1024 | finch | finch | 0.5 |" in (out / "report.md").read_text()
+
+
+def test_race_hands_the_presses_and_ratios_to_the_runner(tmp_path, monkeypatch):
+    from kvmem.errors import KVMemError
+    from kvmem_bench.longctx import race as race_mod
+
+    exported, calls = [], []
+    monkeypatch.setattr(race_mod, "export_tasks", lambda bench, path, *args, **kwargs: (
+        exported.append(kwargs["tasks"]), path.write_text(json.dumps(dict(model="m", sample=0)) + "\n")))
+    monkeypatch.setattr(race_mod, "run_kvpress", lambda tasks, out, venv, threads, extra: calls.append(extra))
+    monkeypatch.setattr(race_mod, "score_raw", lambda out: 0)
+    monkeypatch.setattr(race_mod, "write_report", lambda bench, out: None)
+    race_mod.race(tmp_path, tmp_path / "race", presses=["finch"], only_tasks=["fact-single"], ratios=[0.5, 0.25])
+    assert exported == [["fact-single"]] and calls == [["--presses", "finch", "--ratios", "0.5,0.25"]]
+    with pytest.raises(KVMemError, match="keep ratios must be in"):
+        race_mod.race(tmp_path, tmp_path / "race", presses=["finch"], ratios=[1.5])
 
 
 def test_race_runs_the_costly_presses_on_their_first_samples(tmp_path, monkeypatch):
@@ -325,3 +361,45 @@ def test_prefill_lines_add_the_quiet_machine_timing_per_arm():
     assert len(lines) == 2 and "2 samples" in lines[1]
     assert "transformers 5.2 sdpa (kvpress's venv) 20.5 s" in lines[1] and "(kvpress / kvmem 1.95x)" in lines[1]
     assert len(prefill_lines([dict(row, prefill_s=30.0)], None, [])) == 1
+
+
+RACE_VENV = Path(__file__).resolve().parents[1] / ".venv-race" / "bin" / "python"
+
+
+@pytest.mark.skipif(not RACE_VENV.exists(), reason="kvpress's virtualenv is not set up (make race-setup)")
+def test_race_runs_finchpress_as_kvpress_own_flow_does(tmp_path):
+    """The harness hands FinchPress its query window itself; kvpress's own flow puts a delimiter token before the
+    query, which FinchPress's embedding hook finds and drops. Both must keep the same keys and give the same
+    answer, in both settings, and a sample exported without its window is refused by name."""
+    import subprocess
+
+    from kvmem.generate import end_ids
+    from kvmem.models import load_model
+    from kvmem.prompts import build_prompt
+    from kvmem_bench.longctx.race import RUNNER
+    from kvmem_bench.longctx.tasks import make_samples
+
+    lm = load_model("smollm2-135m")
+    (s,) = make_samples("fact-single", lm.tokenizer, 640, 1, 0)
+    p = build_prompt(lm.tokenizer, s.context, s.question, s.answer_prefix)
+    base = dict(model="smollm2-135m", model_path=str(lm.folder), length=640, task="fact-single", sample=0,
+                answers=list(s.answers), max_new_tokens=8, one_line=True, eos_ids=sorted(end_ids(lm)))
+    lines = [dict(base, setting="agnostic", context_ids=p.context, question_ids=p.question, query_window=32),
+             dict(base, setting="aware", context_ids=p.context + p.question[:-1], question_ids=p.question[-1:],
+                  query_window=len(p.question) - 1)]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = [str(RACE_VENV), str(RUNNER), "--tasks", str(tasks), "--presses", "finch", "--ratios", "0.5,0.25"]
+    subprocess.run([*run, "--check", "2", "--check-out", str(tmp_path / "check.json")], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    summary = json.loads((tmp_path / "check.json").read_text())
+    assert summary["compared"] == 6 and summary["agree"] == 6, summary["disagree"]
+    for full, *finch in (summary["rows"][:3], summary["rows"][3:]):  # agnostic, then aware
+        assert full["method"] == "full" and [(r["method"], r["keep_ratio"]) for r in finch] == [("finch", 0.5), ("finch", 0.25)]
+        for r in finch:  # compressed to its keep ratio, and what kvpress's own flow keeps
+            assert r["kv_equal"] and r["tokens_equal"] and abs(r["kv_bytes"][0] / full["kv_bytes"][0] - r["keep_ratio"]) < 0.01
+
+    tasks.write_text(json.dumps({k: v for k, v in lines[1].items() if k != "query_window"}) + "\n")
+    result = subprocess.run([*run, "--out", str(tmp_path / "raw.jsonl")], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "finch needs the sample's query_window" in result.stderr

@@ -215,11 +215,14 @@ def race(
     settings: str = typer.Option("agnostic", help="Comma-separated settings, agnostic and/or aware (aware: the "
                                                   "question is compressed with the context, as kvpress's query-aware "
                                                   "evaluation does)."),
+    tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks (default: every usable task the suite swept)."),
+    ratios: Optional[str] = typer.Option(None, help="Comma-separated keep ratios (default: 0.5,0.25,0.1)."),
 ) -> None:
     """Race kvpress on the suite's prompts: its presses run in their own virtualenv on the same token ids, and
     their answers are scored like kvmem's. Resumable; rebuilds the suite's report with the race in it."""
     from kvmem_bench.longctx.race import race as run_race
 
     path = run_race(bench, out, venv, _csv(models) if models else None, _csv(lengths, int) if lengths else None,
-                    samples, threads, check, _csv(presses) if presses else None, first, tuple(_csv(settings)))
+                    samples, threads, check, _csv(presses) if presses else None, first, tuple(_csv(settings)),
+                    _csv(tasks) if tasks else None, _csv(ratios, float) if ratios else None)
     console.print(f"wrote {path}")

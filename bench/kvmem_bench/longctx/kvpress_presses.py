@@ -24,6 +24,7 @@ from transformers import (  # noqa: E402
 from kvpress import (  # noqa: E402
     AdaKVPress,
     ExpectedAttentionPress,
+    FinchPress,
     KeyDiffPress,
     KnormPress,
     KVzipPress,
@@ -55,9 +56,18 @@ PRESSES = {
     "keydiff": KeyDiffPress,
     "pyramidkv": PyramidKVPress,
     "kvzip": KVzipPress,
+    # kvmem's finch: FinchPress with its query set as kvmem's (`make_press`), normalised scores (both defaults) and
+    # the kept keys left at their positions, as kvmem keeps them (rerotate_keys=False; its default moves them to
+    # consecutive positions). chunk_length stays None (one ranking over the context): FinchPress's chunk_length
+    # is not Finch's chunked reading but a quota, each 512-token block keeping exactly its share of one pass's
+    # scores, where kvmem's 512-token chunks only cap what the blocks read so far may hold and the rows then
+    # compete: kvmem's kept rows agree far better with FinchPress's without chunks (README, the race). A short last
+    # block also evicts query rows (it keeps its share, window or not).
+    "finch": lambda compression_ratio: FinchPress(compression_ratio, normalize_scores=True, rerotate_keys=False),
 }
 # Presses whose score() does not read compression_ratio: one score per layer serves all their ratios.
-RATIO_FREE_SCORES = (SnapKVPress, TOVAPress, KnormPress, KeyDiffPress, ObservedAttentionPress, ExpectedAttentionPress)
+RATIO_FREE_SCORES = (SnapKVPress, TOVAPress, KnormPress, KeyDiffPress, ObservedAttentionPress, ExpectedAttentionPress,
+                     FinchPress)
 EAGER = {"observed-attention"}  # needs attention weights: kvpress requires attn_implementation="eager"
 RATIOS = (0.5, 0.25, 0.1)
 
@@ -82,9 +92,29 @@ class Job:
         return self.method in EAGER
 
 
-def make_jobs(methods: list[str], ratios: list[float]) -> list[Job]:
+def make_press(method: str, keep_ratio: float, s: dict):
+    """kvpress's press for `method` at `keep_ratio`, set up for sample `s`.
+
+    FinchPress takes as its query the tokens after a delimiter token that its embedding hook finds and drops
+    (kvpress's evaluation appends the delimiter and the question to the context). The harness calls the press's
+    compress() itself, so it sets the window that hook would find: the last s["query_window"] tokens of the
+    context, which the exporter sets to the question's tokens (aware) or to kvmem finch's stand-in for a question
+    (agnostic: the context's last 32 tokens). The check (`kvpress_runner.check`) runs kvpress's own flow with the
+    delimiter and compares."""
+    press = PRESSES[method](compression_ratio=1 - keep_ratio)
+    if isinstance(press, FinchPress):
+        window = s.get("query_window")
+        if not isinstance(window, int) or not 0 < window < len(s["context_ids"]):
+            raise ValueError(f"finch needs the sample's query_window, the context's last tokens it reads as the query, "
+                             f"between 1 and {len(s['context_ids']) - 1}; sample {s.get('sample')} of {s.get('task')} has "
+                             f"{window!r}: export the tasks again (`kvmem race` does)")
+        press.window_size = window
+    return press
+
+
+def make_jobs(methods: list[str], ratios: list[float], s: dict) -> list[Job]:
     jobs = [Job("full", 1.0)]
-    return jobs + [Job(m, k, PRESSES[m](compression_ratio=1 - k)) for m in methods for k in ratios]
+    return jobs + [Job(m, k, make_press(m, k, s)) for m in methods for k in ratios]
 
 
 def held_bytes(tensors) -> int:

@@ -35,8 +35,12 @@ One sample costs two prefills, not one per press and ratio (kvpress's pipeline w
    The question is one forward, as in kvpress's pipeline, except where transformers would mask that forward
    wrongly (layers of one kind holding different rows: Gemma-3's compressed global layers, PyramidKV;
    `short_layers`); there it is fed one token at a time.
+5. FinchPress (raced as kvmem's `finch`) reads as its query the tokens after a delimiter token that its
+   embedding hook drops; the harness sets that window from the sample's `query_window` instead (the question in
+   aware, the context's last 32 tokens in agnostic, kvmem finch's stand-in) and runs it in step 1.
 `--check N` runs kvpress's own pipeline (KVPressTextGenerationPipeline.forward) per press and ratio on N
-samples and compares the compressed caches, masks and greedy tokens with this harness.
+samples and compares the compressed caches, masks and greedy tokens with this harness (FinchPress: with the
+delimiter token inserted, on a model of its own whose embeddings have the delimiter's row).
 
 Decoding (kvmem's rule too): greedy; stop at any eos_ids; stop before a token whose text contains "\\n"
 once the text so far has a letter or digit; stop after max_new_tokens, or when the next position would
@@ -81,8 +85,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 # kvpress_presses sets the offline environment before transformers loads; run by path, this folder is on sys.path
-from kvpress_presses import (PRESSES, RATIOS, Job, KVzipPress, answer, attention_modules, clear_masks, decode,  # noqa: E402
-                             held_bytes, kvzip, make_jobs, new_cache, prefill, torch)
+from kvpress_presses import (PRESSES, RATIOS, FinchPress, Job, KVzipPress, answer, attention_modules,  # noqa: E402
+                             clear_masks, decode, held_bytes, kvzip, make_jobs, make_press, new_cache, prefill, torch)
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
 
 
@@ -99,7 +103,7 @@ def run_sample(model, tok, s: dict, methods: list[str], ratios: list[float],
     """Every method and ratio on one sample; returns the jobs and the (wall, CPU) seconds of each phase.
     With `full_done` (the full cache's row is recorded) and only eager presses to run, the SDPA prefill is
     skipped: jobs[0] then holds the eager prefill's full cache (for kv_bytes_full) and no answer."""
-    jobs = make_jobs(methods, ratios)
+    jobs = make_jobs(methods, ratios, s)
     context_ids = torch.tensor([s["context_ids"]])
     timing = {}
     sdpa = [j for j in jobs if j.press is not None and not j.eager and not isinstance(j.press, KVzipPress)]
@@ -184,19 +188,27 @@ def check(samples: list[dict], methods: list[str], ratios: list[float]) -> dict:
         jobs, _ = run_sample(model, tok, s, methods, ratios)
         for job in jobs:
             ref = {}
+            pipe = pipes[job.eager]
+            press = make_press(job.method, job.keep_ratio, s) if job.press is not None else None
+            context_ids = s["context_ids"]
+            if isinstance(press, FinchPress):  # kvpress's own flow: the delimiter before the query, dropped by its hook
+                pipe = finch_pipeline(loaded[s["model"]], s["model_path"])
+                press.update_model_and_tokenizer(pipe.model, pipe.tokenizer)
+                at = len(context_ids) - press.window_size
+                context_ids = context_ids[:at] + [press.delimiter_token_id] + context_ids[at:]
+                press.window_size = None  # found again by the hook
 
-            def generate_answer(question_ids, cache, context_length, max_new_tokens, pipe=pipes[job.eager]):
+            def generate_answer(question_ids, cache, context_length, max_new_tokens, pipe=pipe):
+                # the harness's positions (after the context without the delimiter) and decoding rule
                 ref["kv"] = [(layer.keys, layer.values) for layer in cache.layers]
                 ref["masks"] = [getattr(m, "masked_key_indices", None) for m in attention_modules(pipe.model)]
                 ref["tokens"] = decode(pipe.model, tok, cache, s, 1)[0]
                 return tok.decode(ref["tokens"])
 
-            pipe = pipes[job.eager]
             pipe.generate_answer = generate_answer
-            press = PRESSES[job.method](compression_ratio=1 - job.keep_ratio) if job.press is not None else None
             torch.manual_seed(s["sample"])  # the seed the harness gives every press's RNG
             try:
-                pipe.forward({"context_ids": torch.tensor([s["context_ids"]]),
+                pipe.forward({"context_ids": torch.tensor([context_ids]),
                               "questions_ids": [torch.tensor([s["question_ids"]])]},
                              press=press, max_new_tokens=s["max_new_tokens"], cache=new_cache(pipe.model))
                 ref_error = None
@@ -222,6 +234,16 @@ def check(samples: list[dict], methods: list[str], ratios: list[float]) -> dict:
             print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), file=sys.stderr, flush=True)
     return {"compared": len(rows), "agree": sum(r["agree"] for r in rows),
             "disagree": [r for r in rows if not r["agree"]], "rows": rows}
+
+
+def finch_pipeline(loaded: tuple, path: str):
+    """A pipeline on a model of its own for FinchPress: its update_model_and_tokenizer adds the delimiter token to
+    the tokenizer and a row to the model's embeddings (and output), which the harness's model must not get."""
+    pipes = loaded[2]
+    if "finch" not in pipes:
+        model, tok = load(path)
+        pipes["finch"] = pipeline("kv-press-text-generation", model=model, tokenizer=tok)
+    return pipes["finch"]
 
 
 def main(argv=None) -> None:

@@ -6,7 +6,9 @@ score its answers the way kvmem's are scored.
    exactly the same tokens; `eos_ids` carry the model's end-of-turn tokens. Per setting: `agnostic`
    compresses the context and then reads the question; `aware` puts the question (all but its last token)
    into what is compressed, as kvpress's own evaluation does for query-aware runs. kvpress then compresses
-   the question's tokens too, where kvmem keeps them and budgets the context alone.
+   the question's tokens too, where kvmem keeps them and budgets the context alone. `query_window`: how many
+   of the context's last tokens a query-conditioned press (FinchPress, raced as kvmem's `finch`) reads as the
+   query: the question's (aware), or kvmem finch's stand-in for it, the context's last `Finch.window` (agnostic).
 2. `run_kvpress`: `kvpress_runner.py` under `.venv-race` (kvpress pins transformers < 5.3), one process per
    model side by side, each appending to its own raw file (resumable).
 3. `score_raw`: kvmem's `score_output` on every raw answer -> `records.jsonl` with `library="kvpress"`, the
@@ -49,20 +51,27 @@ def usable_swept_tasks(bench_records: Path) -> dict[tuple[str, int], list[str]]:
 
 
 def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengths: list[int] | None = None,
-                 samples: int = 30, seed: int = 0, settings: tuple[str, ...] = ("agnostic",)) -> int:
-    """Write the prompts of every usable swept (model, length, task) sample, once per setting, to `path`;
-    returns how many lines."""
+                 samples: int = 30, seed: int = 0, settings: tuple[str, ...] = ("agnostic",),
+                 tasks: list[str] | None = None) -> int:
+    """Write the prompts of every usable swept (model, length, task) sample (of `tasks`, when given), once per
+    setting, to `path`; returns how many lines."""
     if bad := set(settings) - set(SETTINGS):
         raise KVMemError(f"unknown setting {sorted(bad)[0]!r}; choose from {', '.join(SETTINGS)}")
+    from kvmem.compress.finch import Finch
     from kvmem.generate import end_ids
     from kvmem.models import load_model
     from kvmem.prompts import build_prompt
 
-    plan = {k: v for k, v in usable_swept_tasks(bench / "records.jsonl").items()
+    plan = {k: [t for t in v if not tasks or t in tasks] for k, v in usable_swept_tasks(bench / "records.jsonl").items()
             if (not models or k[0] in models) and (not lengths or k[1] in lengths)}
+    plan = {k: v for k, v in plan.items() if v}
+    if missing := sorted(set(tasks or ()) - {t for v in plan.values() for t in v}):
+        raise KVMemError(f"task {missing[0]!r} is not a usable swept task (full cache >= 0.8) in {bench / 'records.jsonl'} "
+                         f"for models {models or 'any'} and lengths {lengths or 'any'}: the race runs only those")
     if not plan:
         raise KVMemError(f"no usable swept task (full cache >= 0.8) in {bench / 'records.jsonl'} for models "
                          f"{models or 'any'} and lengths {lengths or 'any'}: run the suite on them first (`make bench`)")
+    window = Finch().window  # kvmem finch's default: its suite records are made with it
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with path.open("w") as f:
@@ -77,8 +86,12 @@ def export_tasks(bench: Path, path: Path, models: list[str] | None = None, lengt
                         for setting in settings:
                             ctx, question = ((p.context, p.question) if setting == "agnostic" else
                                              (p.context + p.question[:-1], p.question[-1:]))
+                            # kvmem finch's rule (Finch.spans): the last `window` tokens, never into the chat head
+                            query = (len(p.context) - max(min(p.head, len(p.context) - 1), len(p.context) - window)
+                                     if setting == "agnostic" else len(p.question) - 1)
                             f.write(json.dumps(dict(model=model, model_path=str(lm.folder), length=length, task=task,
                                                     sample=i, setting=setting, context_ids=ctx, question_ids=question,
+                                                    query_window=query,
                                                     answers=list(s.answers), max_new_tokens=s.max_new_tokens,
                                                     one_line=s.one_line, eos_ids=sorted(end_ids(lm)))) + "\n")
                             n += 1
@@ -142,22 +155,29 @@ def score_raw(out: Path) -> int:
 def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race"), venv: Path = Path(".venv-race"),
          models: list[str] | None = None, lengths: list[int] | None = None, samples: int = 30, threads: int = 1,
          check: int = 0, presses: list[str] | None = None, first: int | None = None,
-         settings: tuple[str, ...] = ("agnostic",)) -> Path:
+         settings: tuple[str, ...] = ("agnostic",), only_tasks: list[str] | None = None,
+         ratios: list[float] | None = None) -> Path:
     """Export, run kvpress (or, with `check`, compare its pipeline with the harness on `check` samples a
     model), score, and rebuild the suite's report with the race in it. `presses` limits the presses run and
     `first` the samples per task they run on; without `first`, the presses in COSTLY_FIRST run on their own first
-    samples a task. Records accumulate."""
+    samples a task. `only_tasks` limits the tasks and `ratios` the keep ratios (default: the runner's). Records
+    accumulate."""
+    if ratios is not None and not all(0 < r < 1 for r in ratios):
+        raise KVMemError(f"keep ratios must be in (0, 1); got {','.join(map(str, ratios))}")
     out.mkdir(parents=True, exist_ok=True)
-    # one file per (models, lengths) asked for: runs side by side never overwrite each other's prompts, which
-    # score_raw reads the answers from
+    # one file per (models, lengths, tasks) asked for: runs side by side never overwrite each other's prompts,
+    # which score_raw reads the answers from
     tasks = out / (f"tasks-{'-'.join(sorted(models)) if models else 'all'}"
-                   f"-{'-'.join(map(str, sorted(lengths))) if lengths else 'all'}.jsonl")
-    export_tasks(bench, tasks, models, lengths, samples, settings=settings)
+                   f"-{'-'.join(map(str, sorted(lengths))) if lengths else 'all'}"
+                   f"{''.join('-' + t for t in sorted(only_tasks or ()))}.jsonl")
+    export_tasks(bench, tasks, models, lengths, samples, settings=settings, tasks=only_tasks)
+    ratio_option = ["--ratios", ",".join(map(str, ratios))] if ratios else []
     if check:
         for model in sorted({json.loads(line)["model"] for line in tasks.read_text().splitlines()}):
             subprocess.run([str(venv / "bin" / "python"), str(RUNNER), "--tasks", str(tasks), "--models", model,
                             "--check", str(check), "--check-out", str(out / f"harness_check-{model}.json"),
-                            "--threads", str(threads)], check=True, stdout=sys.stderr)
+                            "--threads", str(threads), *(["--presses", ",".join(presses)] if presses else []),
+                            *ratio_option], check=True, stdout=sys.stderr)
         return out
     runs = [(presses, first)]
     if presses and first is None:  # the costly presses on their own subsets
@@ -168,7 +188,7 @@ def race(bench: Path = Path("results/longctx"), out: Path = Path("results/race")
         if n is not None:  # sample i does not depend on the count, so the first N are a fixed subset
             to_run = out / f"subset-first{n}-{tasks.name}"
             to_run.write_text("".join(line + "\n" for line in tasks.read_text().splitlines() if json.loads(line)["sample"] < n))
-        run_kvpress(to_run, out, venv, threads, ["--presses", ",".join(names)] if names else None)
+        run_kvpress(to_run, out, venv, threads, (["--presses", ",".join(names)] if names else []) + ratio_option or None)
     score_raw(out)
     write_report(bench, out)
     return out

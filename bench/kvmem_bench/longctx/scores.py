@@ -22,7 +22,8 @@ PAIRED_MIN_SAMPLES = 10  # no paired difference (no ▼/▲, no fidelity verdict
 MEAN = "mean"  # the task name of rows averaged over the usable tasks
 SETTINGS = ("agnostic", "aware")
 SHARED = {"random": "random", "streaming-llm": "streaming-llm", "snapkv": "snapkv", "tova": "tova",
-          "knorm": "knorm", "h2o": "observed-attention"}  # kvmem method -> the kvpress press that does the same
+          "knorm": "knorm", "h2o": "observed-attention",
+          "finch": "finch"}  # kvmem method -> the kvpress press that does the same (finch: FinchPress, see kvpress_presses)
 
 
 def mib(n: float) -> str:
