@@ -38,7 +38,7 @@ test: setup redis
 BASE_METHODS := full,random,streaming-llm,h2o,snapkv,tova,knorm
 AGNOSTIC_METHODS := kvzip,kvzip-head,expected-attention,expected-attention:budget=adaptive,keydiff,q-filters,curdkv
 # Issue 35's catalog (rcstat is left out until it is checked against its paper)
-CATALOG_METHODS := vatp,vatp:source=window,dapq,snapkv:budget=prefixkv,fastgen,snapkv:budget=cokv,kvcrush,finch,keyformer,attention-matching
+CATALOG_METHODS := vatp,vatp:source=window,dapq,snapkv:budget=prefixkv,fastgen,snapkv:budget=cokv,kvcrush,finch,keyformer,attention-matching,subgen
 METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo,streaming-llm:budget=razor,$(CATALOG_METHODS)
 GEMMA_METHODS := $(METHODS),kvzip:sliding=keep,keydiff:sliding=keep,keydiff:kernel_size=33:sliding=keep
 SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --threads 1 --out results/longctx

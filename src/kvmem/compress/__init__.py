@@ -29,6 +29,7 @@ from kvmem.compress.random import Random
 from kvmem.compress.rcstat import RCStat
 from kvmem.compress.snapkv import SnapKV
 from kvmem.compress.streaming_llm import StreamingLLM
+from kvmem.compress.subgen import SubGen
 from kvmem.compress.tova import TOVA
 from kvmem.compress.vatp import VATP
 from kvmem.errors import KVMemError
@@ -37,7 +38,7 @@ from kvmem.spec import check_options, parse_spec
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingLLM, H2O, SnapKV, TOVA, KNorm, KeyDiff,
                                                         CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
                                                         RCStat, AttentionMatching, Keyformer, DapQ, FastGen,
-                                                        MomentKV, Finch, KVCrush)}
+                                                        MomentKV, Finch, KVCrush, SubGen)}
 KVCrush.methods = METHODS  # kvcrush names its base method by name
 
 
