@@ -61,3 +61,13 @@ def redis_server():
 
     with LocalRedis() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster of three redis-servers (Debian's package) on free loopback ports, every slot covered, no
+    replicas, stopped afterwards; tests that kill a node call `restart(node)`."""
+    from kvmem.store.tiers import LocalRedisCluster
+
+    with LocalRedisCluster() as cluster:
+        yield cluster

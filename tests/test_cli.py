@@ -39,6 +39,7 @@ def test_methods_lists_compression_and_embedding_methods():
         (["generate", "--prompt", "hi", "--model", "gpt-17"], "unknown model 'gpt-17'"),
         (["generate", "--prompt", "hi", "--quant", "kivi-5"], "unknown quantization scheme 'kivi-5'"),
         (["generate", "--prompt", "hi", "--store", "ftp://x"], "unknown store tier 'ftp://x'"),
+        (["serve", "--store", "memory,redis+cluster://127.0.0.1:7000,127.0.0.1"], "'127.0.0.1' is not host:port"),
         (["generate", "--prompt", "hi", "--store", "memory", "--codec", "zip"], "unknown codec 'zip'"),
         (["eval", "--tasks", "niah-42"], "unknown task 'niah-42'"),
         (["eval", "--ratios", "0.5,abc"], "comma-separated list of float"),

@@ -89,7 +89,7 @@ def generate(
     raw_prompt: bool = typer.Option(False, help="No chat template: the context and prompt as plain text (base models)."),
     quant: Optional[str] = typer.Option(None, help="Hold the cache quantized, e.g. kivi-2, kivi-4:group=64 (after eviction)."),
     store: Optional[str] = typer.Option(None, help="Keep and reuse computed KV: tiers fastest first, e.g. "
-                                        "memory,disk:///tmp/kvmem,redis://127.0.0.1:6379/0."),
+                                        "memory,disk:///tmp/kvmem,redis://127.0.0.1:6379/0 (a Redis Cluster: redis+cluster://h:p,h:p,...)."),
     codec: str = typer.Option("raw", help="How the store encodes chunks: raw, quant:<scheme> (e.g. quant:kivi-8), cachegen."),
     chunk_size: int = typer.Option(256, help="Tokens per stored chunk."),
     store_write: str = typer.Option("through", help="Store writes: through (every tier) or memory (the first tier only)."),
@@ -203,7 +203,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, help="TCP port."),
     store: Optional[str] = typer.Option(None, help="Keep and reuse computed KV across requests (and replicas, through "
-                                        "Redis): tiers fastest first, e.g. memory,disk:///tmp/kvmem,redis://127.0.0.1:6379/0."),
+                                        "Redis): tiers fastest first, e.g. memory,disk:///tmp/kvmem,redis://127.0.0.1:6379/0 (a Redis "
+                                        "Cluster: redis+cluster://h:p,h:p,...)."),
     codec: str = typer.Option("raw", help="How the store encodes chunks: raw, quant:<scheme>, cachegen."),
     chunk_size: int = typer.Option(256, help="Tokens per stored chunk."),
     store_write: str = typer.Option("through", help="Store writes: through (every tier) or memory (the first tier only)."),

@@ -1,6 +1,6 @@
 """Keep computed KV across requests: chunk keys (keys.py), the checksummed chunk frame (chunk.py), codecs
-(codecs.py: raw, quant:<scheme>, cachegen), byte tiers (tiers.py: memory, disk, Redis) and the verifying
-`ChunkStore` (store.py). `kvmem.reuse` decides what to look up and how to use it."""
+(codecs.py: raw, quant:<scheme>, cachegen), byte tiers (tiers.py: memory, disk, Redis, Redis Cluster) and the
+verifying `ChunkStore` (store.py). `kvmem.reuse` decides what to look up and how to use it."""
 
 from kvmem.store.codec import Codec
 from kvmem.store.codecs import get_codec

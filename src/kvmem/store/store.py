@@ -8,7 +8,9 @@
 Reads go through the tiers fastest first and promote a hit to the faster tiers. Writes go to every tier
 (`write="through"`) or to the first only (`write="memory"`). What goes wrong never reaches the caller as
 an exception: a tier that cannot be reached (Redis down), is full or read-only is skipped with a
-`StoreWarning` and a counter (`store.stats`), and the caller recomputes. A chunk read back is used only if
+`StoreWarning` and a counter (`store.stats`), and the caller recomputes. A Redis Cluster tier with one node
+down fails only for that node's chunks (`NodeDown`): they are misses and skipped writes, counted and warned
+about the same way, while its other nodes keep serving. A chunk read back is used only if
 its frame checksum, model fingerprint, tokenizer, codec and codec version, key, token range and row
 layout all match what was asked for; otherwise it is deleted from every tier, counted as `corrupt`, and
 the caller recomputes.
@@ -30,7 +32,7 @@ from kvmem.store import chunk
 from kvmem.store.codec import Codec
 from kvmem.store.codecs import get_codec
 from kvmem.store.keys import chunk_keys, namespace, span_key
-from kvmem.store.tiers import Tier, parse_stack
+from kvmem.store.tiers import NodeDown, Tier, parse_stack
 
 FORMAT = 1  # the chunk header's layout
 
@@ -96,6 +98,11 @@ class ChunkStore:
         warnings.warn(f"kvmem store: tier {self.tiers[i].name} failed on {op} ({type(error).__name__}: {error}); "
                       f"skipping it for {self.retry_s:g} s and recomputing instead", StoreWarning, stacklevel=3)
 
+    def _node_failed(self, i: int, op: str, error: NodeDown) -> None:
+        self._count("unavailable")  # the tier stays usable: only this node's chunks are recomputed
+        warnings.warn(f"kvmem store: tier {self.tiers[i].name} failed on {op}: {error}; recomputing instead",
+                      StoreWarning, stacklevel=3)
+
     def get_bytes(self, key: str) -> tuple[bytes | None, str | None]:
         """The bytes stored under `key` from the fastest tier that has them (promoted to the faster tiers)."""
         if not self.reads:
@@ -105,6 +112,9 @@ class ChunkStore:
                 continue
             try:
                 blob = tier.get(key)
+            except NodeDown as e:
+                self._node_failed(i, "read", e)
+                continue
             except Exception as e:  # noqa: BLE001 - any tier failure degrades to a miss
                 self._failed(i, "read", e)
                 continue
@@ -122,6 +132,9 @@ class ChunkStore:
             return False
         try:
             result = self.tiers[i].put(key, blob)
+        except NodeDown as e:
+            self._node_failed(i, "write", e)
+            return False
         except Exception as e:  # noqa: BLE001
             self._failed(i, "write", e)
             return False
@@ -145,6 +158,8 @@ class ChunkStore:
             if self._usable(i):
                 try:
                     tier.delete(key)
+                except NodeDown as e:
+                    self._node_failed(i, "delete", e)
                 except Exception as e:  # noqa: BLE001
                     self._failed(i, "delete", e)
 
