@@ -120,13 +120,14 @@ def test_bad_options_raise_naming_them(spec, named):
         get_method(spec)
 
 
-def test_refuses_what_it_cannot_rewrite(smollm2, prefilled):
+@pytest.mark.parametrize("method", ["attention-matching", "subgen"])  # every method that rewrites its kept rows
+def test_refuses_what_it_cannot_rewrite(smollm2, prefilled, method):
     with pytest.raises(KVMemError, match="razor"):
-        compress(prefilled.clone(), get_method("attention-matching:budget=razor"), 0.25)
+        compress(prefilled.clone(), get_method(f"{method}:budget=razor"), 0.25)
     ids = smollm2.tokenizer(TEXT).input_ids[:100]
     for spec in ("kivi-4", "mikv"):
         cache = KVCache(smollm2.model.config, quant=get_scheme(spec, smollm2),
-                        compressor=Compressor(get_method("attention-matching"), 0.25))
+                        compressor=Compressor(get_method(method), 0.25))
         with pytest.raises(KVMemError, match="quantized or mixed-precision"):
             feed(smollm2, cache, ids)
 

@@ -17,7 +17,6 @@ from kvmem.compress.base import HeadView
 from kvmem.compress.subgen import SubGen
 from kvmem.errors import KVMemError
 from kvmem.forward import feed
-from kvmem.quant import get_scheme
 
 T, D, KEEP = 300, 16, 80
 TEXT = ("The history of the city begins with a small fishing village on the river. Merchants arrived, built "
@@ -183,17 +182,6 @@ def test_bad_options_are_refused_naming_each():
     for spec, named in (("subgen:mix=1", "mix=1"), ("subgen:colour=1", "colour"), ("subgen:t=two", "option t "), ("subgen:seed=0.5", "option seed ")):
         with pytest.raises(KVMemError, match=named):
             get_method(spec)
-
-
-def test_refuses_what_it_cannot_rewrite(smollm2, prefilled):
-    with pytest.raises(KVMemError, match="razor"):
-        compress(prefilled.clone(), get_method("subgen:budget=razor"), 0.25)
-    ids = smollm2.tokenizer(TEXT).input_ids[:100]
-    for spec in ("kivi-4", "mikv"):
-        cache = KVCache(smollm2.model.config, quant=get_scheme(spec, smollm2),
-                        compressor=Compressor(get_method("subgen"), 0.25))
-        with pytest.raises(KVMemError, match="quantized or mixed-precision"):
-            feed(smollm2, cache, ids)
 
 
 def test_registered():
