@@ -12,7 +12,6 @@ import httpx2 as httpx
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvmem.errors import KVMemError
 from kvmem.generate import answer
@@ -20,6 +19,7 @@ from kvmem.prompts import build_prompt
 from kvmem.serve.local import LocalServer
 from kvmem.store import ChunkStore, StoreWarning
 from kvmem.store.tiers import MemoryTier, NodeDown, RedisClusterTier, Tier, parse_stack
+from test_store import OPS, apply_store_ops
 
 CONTEXT = ("The lighthouse keeper of Port Elin writes in her log every evening. On Monday the fog came in early and "
            "the ferry stayed in the harbour. On Tuesday a fishing boat brought news that the north pier had cracked. "
@@ -62,31 +62,14 @@ def test_round_trip_ttl_and_specs(redis_cluster, tmp_path):
             parse_stack(spec)
 
 
-KEYS = [f"{i:02x}" * 20 for i in range(6)]
-OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "delete", "evict-memory"]), st.sampled_from(KEYS),
-                         st.binary(min_size=0, max_size=3000)), min_size=1, max_size=30)
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_any_sequence_of_operations_returns_the_bytes_put_or_a_miss(redis_cluster, ops):
     flush(redis_cluster)
     memory = MemoryTier(max_bytes=5000)
-    store = ChunkStore([memory, tier_of(redis_cluster)])
-    latest: dict[str, bytes] = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("error", StoreWarning)  # nothing fails on a healthy cluster
-        for op, key, blob in ops:
-            if op == "put":
-                assert store.put_bytes(key, blob)
-                latest[key] = blob
-            elif op == "delete":
-                store.discard(key)
-                latest.pop(key, None)
-            elif op == "evict-memory":
-                memory.delete(key)
-            else:  # the memory tier may have dropped it, the cluster holds every write
-                assert store.get_bytes(key)[0] == latest.get(key)
+        warnings.simplefilter("error", StoreWarning)  # nothing fails on a healthy cluster, which keeps every write
+        apply_store_ops(ChunkStore([memory, tier_of(redis_cluster)]), memory, ops, every_write_kept=True)
 
 
 def test_unreachable_cluster_degrades_to_recompute(smollm2):

@@ -316,6 +316,24 @@ OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "delete", "evict-memory"
                          st.binary(min_size=0, max_size=3000)), min_size=1, max_size=40)
 
 
+def apply_store_ops(store: ChunkStore, memory: MemoryTier, ops, every_write_kept: bool) -> None:
+    """Run `ops` on `store` (whose first tier is `memory`): every read returns the bytes last put under its key or,
+    unless `every_write_kept` (a lower tier holds every write), a miss."""
+    latest: dict[str, bytes] = {}
+    for op, key, blob in ops:
+        if op == "put":
+            assert store.put_bytes(key, blob) or not every_write_kept
+            latest[key] = blob
+        elif op == "delete":
+            store.discard(key)
+            latest.pop(key, None)
+        elif op == "evict-memory":
+            memory.delete(key)
+        else:
+            got, _ = store.get_bytes(key)
+            assert got == latest.get(key) or (got is None and not every_write_kept)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, write=st.sampled_from(["through", "memory"]))
 def test_any_sequence_of_operations_returns_the_bytes_put_or_a_miss(tmp_path_factory, redis_server, ops, write):
@@ -324,22 +342,9 @@ def test_any_sequence_of_operations_returns_the_bytes_put_or_a_miss(tmp_path_fac
     redis.Redis.from_url(redis_server.url).flushdb()
     memory = MemoryTier(max_bytes=5000)  # small: the LRU evicts as it goes
     tiers = [memory, DiskTier(tmp_path_factory.mktemp("disk"), max_bytes=8000), RedisTier(redis_server.url)]
-    store = ChunkStore(tiers, write=write)
-    latest: dict[str, bytes] = {}  # writes go to every tier they go to, so no tier holds an older value
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", StoreWarning)
-        for op, key, blob in ops:
-            if op == "put":
-                store.put_bytes(key, blob)
-                latest[key] = blob
-            elif op == "delete":
-                store.discard(key)
-                latest.pop(key, None)
-            elif op == "evict-memory":
-                memory.delete(key)
-            else:
-                got, _ = store.get_bytes(key)
-                assert got is None or got == latest.get(key)
+        apply_store_ops(ChunkStore(tiers, write=write), memory, ops, every_write_kept=False)
 
 
 def test_reads_promote_and_writes_follow_the_policy(lm, tmp_path):
