@@ -164,15 +164,17 @@ def test_model_generate_with_a_compressor_keeps_the_prompt_and_the_decode_budget
             assert p[len(p) - (fed - last_round):].tolist() == list(range(N_PROMPT + last_round, N_PROMPT + fed))
 
 
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])  # Llama GQA; Gemma 3 sliding-window MQA
 @pytest.mark.parametrize("spec,ratio", [("moment-kv:decode_budget=4", 1.0), ("moment-kv:recent=2", 0.25)])
-def test_the_one_call_path_evicts_while_it_decodes(smollm2, spec, ratio):
+def test_the_one_call_path_evicts_while_it_decodes(request, model, spec, ratio):
     """`prepare` (answer, kvmem generate, the server) reads the prompt whole, then the cache evicts at every decoding
     step: each head holds the prompt + decode_budget (or ceil(ratio x generated)) rows, never evicting the prompt."""
-    prompt = build_prompt(smollm2.tokenizer, "Rome is a city in Italy.", "Write a long poem about Rome.")
-    p = prepare(smollm2, prompt, spec, ratio)
-    n_prompt = len(prompt.ids)
-    assert p.kv_bytes == p.kv_bytes_full and p.cache.tokens_held() == [[n_prompt] * 3] * len(p.cache.layers)
-    decode(smollm2, p.cache, p.logits, 24, stop_at_newline=False)
+    lm = request.getfixturevalue(model)
+    prompt = build_prompt(lm.tokenizer, "Rome is a city in Italy.", "Write a long poem about Rome.")
+    p = prepare(lm, prompt, spec, ratio)
+    n_prompt, kv_heads = len(prompt.ids), lm.model.config.num_key_value_heads
+    assert p.kv_bytes == p.kv_bytes_full and p.cache.tokens_held() == [[n_prompt] * kv_heads] * len(p.cache.layers)
+    decode(lm, p.cache, p.logits, 24, stop_at_newline=False)
     fed = p.cache.get_seq_length() - n_prompt
     assert fed > 8
     cap = 4 if "decode_budget" in spec else math.ceil(ratio * fed)
@@ -181,7 +183,7 @@ def test_the_one_call_path_evicts_while_it_decodes(smollm2, spec, ratio):
             assert positions[:n_prompt].tolist() == list(range(n_prompt)) and len(positions) == n_prompt + cap
             if "recent" in spec:
                 assert positions[-2:].tolist() == [n_prompt + fed - 2, n_prompt + fed - 1]
-    assert answer(smollm2, "Rome is a city in Italy.", "Where is Rome?", spec, ratio, max_new_tokens=8).tokens
+    assert answer(lm, "Rome is a city in Italy.", "Where is Rome?", spec, ratio, max_new_tokens=8).tokens
 
 
 def test_bad_options_are_refused_by_name(smollm2):

@@ -189,11 +189,12 @@ def test_registered():
     assert get_method("subgen:t=3:mix=0.01").spec == "subgen:mix=0.01:t=3"
 
 
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])  # Llama GQA; Gemma 3 sliding-window MQA
 @pytest.mark.parametrize("aware", [False, True])
-def test_answers_through_the_one_call_api(smollm2, aware):
+def test_answers_through_the_one_call_api(request, model, aware):
     from kvmem.generate import answer
 
-    out = answer(smollm2, "Notes from the trip. " * 20 + "The meeting point is the old lighthouse. " + "We walked. " * 20,
+    out = answer(request.getfixturevalue(model), "Notes from the trip. " * 20 + "The meeting point is the old lighthouse. " + "We walked. " * 20,
                  "Where is the meeting point?", "subgen", 0.5, query_aware=aware, max_new_tokens=6)
     assert out.tokens and out.kv_bytes < 0.6 * out.kv_bytes_full
 
