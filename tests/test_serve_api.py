@@ -286,3 +286,94 @@ def test_langchain_chat_streaming_and_embeddings(keyed):
     np.testing.assert_allclose(query, docs[0], rtol=1e-4, atol=1e-6)  # the same text, the same vector
     with pytest.raises(openai.AuthenticationError):
         ChatOpenAI(model=MODEL, base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).invoke("hi")
+
+
+# -- fuzz: bodies around the schemas never crash the server --------------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_leaf = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=16)
+         | st.sampled_from([2**63, -2**63 - 1, 2**64, 10**30, -1, 0, 1e308, "", "\u202e\U0001f600\x00"]))
+JUNK = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=4), max_leaves=12)
+TEXT_ = st.text(max_size=60)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
+                                 "content": TEXT_ | st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                                    "text": TEXT_}), max_size=2)})
+KVMEM = st.fixed_dictionaries({}, optional={
+    "method": st.sampled_from(["full", "snapkv", "streamingllm", "h2o"]), "keep_ratio": st.floats(0.1, 1.0),
+    "quant": st.sampled_from(["kivi-4", "kivi-2"]), "ignore_eos": st.booleans(), "use_store": st.booleans()})
+SHARED = {"max_tokens": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+          "n": st.integers(1, 2), "stop": TEXT_ | st.lists(TEXT_, max_size=5), "stream": st.booleans(),
+          "seed": st.integers(), "user": TEXT_, "kvmem": KVMEM}
+# plausible values: each body is one of these, then a few fields replaced by junk, dropped or added
+BODIES = {
+    CHAT: ({"model": st.just(MODEL), "messages": st.lists(MESSAGE, min_size=1, max_size=3)},
+           {**SHARED, "max_completion_tokens": st.integers(1, 2), "metadata": st.dictionaries(TEXT_, TEXT_, max_size=3),
+            "service_tier": st.sampled_from(["auto", "default"]), "store": st.booleans(), "logprobs": st.booleans(),
+            "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}),
+    TEXT: ({"model": st.just(MODEL), "prompt": st.text(min_size=1, max_size=60) | st.lists(st.integers(0, 49151),
+                                                                                           min_size=1, max_size=8)},
+           {**SHARED, "echo": st.booleans(), "suffix": TEXT_}),
+    EMB: ({"model": st.sampled_from([MODEL, "minilm"]), "input": st.text(min_size=1, max_size=60)
+           | st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3)},
+          {"encoding_format": st.sampled_from(["float", "base64"]), "dimensions": st.integers(1, 600), "user": TEXT_,
+           "kvmem": st.fixed_dictionaries({}, optional={"method": st.sampled_from(["pooling", "prompteol", "echo"]),
+                                                        "layer": st.integers(-40, 40)})}),
+}
+
+
+def body_of(path: str):
+    required, optional = BODIES[path]
+    names = sorted({*required, *optional, "kvmem.method", "kvmem.layer", "messages.0.role", "messages.0.content"})
+    plain = st.fixed_dictionaries(required, optional=optional)
+    changes = st.lists(st.tuples(st.sampled_from(names) | st.text(max_size=10), JUNK | st.just(...)), max_size=2)
+
+    def change(body: dict, edits: list) -> dict:
+        for name, value in edits:
+            head, _, rest = name.partition(".")
+            target, key = body, name
+            if rest and isinstance(body.get(head), (dict, list)):  # a nested field: kvmem.method, messages.0.role
+                index, _, key = rest.partition(".")
+                target = body[head] if isinstance(body[head], dict) else (body[head][0] if body[head] else {})
+                key = key or index
+                if not isinstance(target, dict):
+                    continue
+            if value is ...:
+                target.pop(key, None)
+            else:
+                target[key] = value
+        return body
+
+    return st.builds(change, plain, changes) | JUNK
+
+
+def small(body):
+    """Bounded work per example: a valid max_tokens above 2 (or none on a text completion, 16) would decode for long."""
+    if isinstance(body, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(key), int) and not isinstance(body[key], bool) and 2 < body[key] <= 8192:
+                body[key] = 2
+    return body
+
+
+@pytest.mark.parametrize("path", [CHAT, TEXT, EMB])
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data())
+def test_fuzzed_bodies_never_crash_the_server(app_client, path, data):
+    body = small(data.draw(body_of(path)))
+    if isinstance(body, dict) and path != EMB and isinstance(body.get("max_tokens"), type(None)):
+        body["max_tokens"] = 2
+    r = app_client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    assert r.status_code in (200, 400, 404, 504), (body, r.status_code, r.text[:500])
+    assert "Traceback" not in r.text and r.headers["x-request-id"]
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert isinstance(error["message"], str) and error["message"] and error["type"], r.text
+    assert app_client.get("/health").json()["status"] == "ok"
+
+
+def test_broken_bytes_get_a_400(app_client):
+    for raw in (b"\xff\xfe\x00junk", b'{"model": "smollm2-135m", "messages": [' * 50, b"[]", b"null", b'"x"', b""):
+        r = app_client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "Traceback" not in r.text, (raw, r.text)
