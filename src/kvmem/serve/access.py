@@ -11,8 +11,8 @@
 - A crash in a route is logged with its traceback and answered as a 500 OpenAI-style body (`on_crash`), with the
   request's id.
 
-A plain ASGI middleware rather than Starlette's `BaseHTTPMiddleware`, which would buffer nothing but runs the
-route in another task (cancellation of streams is then the middleware's business).
+A plain ASGI middleware rather than Starlette's `BaseHTTPMiddleware`: that one runs the route in a task of its own,
+so a stream's end and a client that goes away would reach the route (and the engine's cancellation) through it.
 """
 
 from __future__ import annotations

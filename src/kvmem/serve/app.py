@@ -15,7 +15,9 @@ kvmem's per-request options travel in the body's `kvmem` object (the openai clie
 
 A chat prompt is split before the last message (`kvmem.prompts.chat_prompt`): the system prompt, earlier
 turns and documents form the reusable, compressible context; the last message is the question. Every error
-is an OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`, with its HTTP status.
+is an OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`, with its HTTP status; which OpenAI
+fields are used, accepted and ignored, or refused is `serve.validate`. Every response carries `x-request-id` and
+leaves an access-log line; `--api-key` guards /v1/* (`serve.access`).
 """
 
 from __future__ import annotations
