@@ -82,7 +82,7 @@ def chat_job(server: Server, body: ChatRequest) -> Job:
     check_model(server, body.model)
     check_generation(body)
     o = options(server, body)
-    messages = message_texts(body)
+    messages = [{"role": m.role, "content": text} for m, text in zip(body.messages, message_texts(body))]
     docs = [encode(server, d + DOC_END) for d in (body.kvmem.documents or [])] if body.kvmem else []
     try:
         prompt = chat_prompt(server.lm.tokenizer, messages)

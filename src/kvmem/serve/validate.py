@@ -75,10 +75,10 @@ def check_generation(body: Generation) -> None:
                 fail(400, f"stream_options.{key} must be true or false, got {value!r}", param=f"stream_options.{key}")
 
 
-def message_texts(body: ChatRequest) -> list[dict]:
-    """The conversation as {"role", "content"} with text content: content parts joined, each part checked; only an
-    assistant message may have no content (a tool call's)."""
-    messages = []
+def message_texts(body: ChatRequest) -> list[str]:
+    """Each message's text: content parts joined, each part checked; only an assistant message may have no content
+    (a tool call's)."""
+    texts = []
     for i, m in enumerate(body.messages):
         content, where = m.content, f"messages.{i}.content"
         if content is None and m.role != "assistant":
@@ -91,8 +91,8 @@ def message_texts(body: ChatRequest) -> list[dict]:
                 if not isinstance(part.get("text"), str):
                     fail(400, "a text content part needs a string 'text'", param=f"{where}.{j}.text")
             content = "".join(p["text"] for p in content)
-        messages.append({"role": m.role, "content": content or ""})
-    return messages
+        texts.append(content or "")
+    return texts
 
 
 def completion_limit(lm, prompt_tokens: int, asked: int | None, field: str, default: int, prompt_field: str) -> int:
