@@ -205,7 +205,7 @@ def test_models_health_and_metrics(client, server):
     ({"max_tokens": -3}, 400, "max_tokens"),
     ({"n": 1000}, 400, "n=1000"),
     ({"temperature": 7}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "reads at most 8192 tokens"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "maximum context length is 8192 tokens"),
     ({"logprobs": True}, 400, "logprobs"),
     ({"kvmem": {"reuse": "cacheblend"}}, 400, "documents"),
     ({"kvmem": {"bogus": 1}}, 400, "bogus"),

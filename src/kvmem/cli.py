@@ -224,9 +224,16 @@ def serve(
     max_n: int = typer.Option(4, help="Most choices (n) per request."),
     embed_method: str = typer.Option("prompteol", help="Embedding method for /v1/embeddings with the model's name (kvmem.embed spec)."),
     log_level: str = typer.Option("info", help="uvicorn's log level."),
+    api_key: Optional[str] = typer.Option(None, envvar="KVMEM_API_KEY", help="Require 'Authorization: Bearer KEY' on "
+                                          "/v1/* (401 otherwise); /health and /metrics stay open."),
+    cors_origins: Optional[str] = typer.Option(None, help="Browser origins allowed to call the API (CORS), comma-separated, "
+                                               "e.g. http://localhost:3000,https://app.example.com; * for any."),
+    access_log: bool = typer.Option(True, help="One JSON line per request on stderr (logger kvmem.access): x-request-id, "
+                                    "method, path, status, duration, model, user, tokens."),
 ) -> None:
     """An OpenAI-compatible HTTP server (chat and text completions, streaming, embeddings, /metrics) with the
-    cache layer inside: per-request compression and quantization, KV reused from the store."""
+    cache layer inside: per-request compression and quantization, KV reused from the store. Every response carries
+    an x-request-id header (the request's own, or a new one), also in the access log."""
     import torch
     import uvicorn
 
@@ -247,13 +254,24 @@ def serve(
     budget = _kv_budget(kv_budget) if batching else None
     if max_batch < 1 or queue < 0:
         raise KVMemError(f"--max-batch must be >= 1 and --queue >= 0 (got {max_batch}, {queue})")
+    if api_key is not None and not api_key.strip():
+        raise KVMemError("--api-key (or KVMEM_API_KEY) is empty; give a key or leave it out")
     lm = load_model(model)
     app_ = create_app(lm, chunks, Options(method=method, keep_ratio=keep_ratio, quant=quant), workers, queue, timeout,
-                      max_tokens, max_n, embed_method, budget, max_batch)
+                      max_tokens, max_n, embed_method, budget, max_batch, api_key,
+                      _csv(cors_origins) if cors_origins else None)
+    if access_log:
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logging.getLogger("kvmem.access").addHandler(handler)
+        logging.getLogger("kvmem.access").setLevel(logging.INFO)
     how = f"continuous batching, KV budget {budget / 2**20:.0f} MiB" if batching else f"{workers} worker(s)"
     console.print(f"kvmem serve: {lm.name} on http://{host}:{port}/v1 (store: {chunks or 'none'}; {how}, "
                   f"queue {queue}, {torch.get_num_threads()} torch threads)", highlight=False)
-    uvicorn.run(app_, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app_, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                access_log=not access_log)  # ours has the id and the tokens
 
 
 def _kv_budget(text: str) -> int:

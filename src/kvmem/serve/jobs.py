@@ -9,6 +9,7 @@ from kvmem.prompts import Prompt, chat_prompt
 from kvmem.serve.engine import REUSE_MODES, Job, Options, Sampling
 from kvmem.serve.schemas import ChatRequest, CompletionRequest, Generation, KVMemOptions, fail, refuse_unsupported
 from kvmem.serve.state import Server
+from kvmem.serve.validate import check_generation, completion_limit, message_texts
 
 DOC_END = "\n\n"  # after each document, as in the RAG benchmark
 
@@ -52,30 +53,25 @@ def options(server: Server, body: Generation) -> Options:
     return o
 
 
-def sampling(server: Server, body: Generation, limit: int | None) -> Sampling:
+def sampling(server: Server, body: Generation, limit: int) -> Sampling:
     if body.n > server.max_n:
         fail(400, f"n={body.n} is more than the {server.max_n} choices this server computes per request", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         fail(400, "stop takes up to 4 non-empty strings", param="stop")
-    return Sampling(limit or server.max_tokens, body.temperature, body.top_p, body.seed, stop, body.n)
+    return Sampling(limit, body.temperature, body.top_p, body.seed, stop, body.n)
 
 
 def encode(server: Server, text: str) -> list[int]:
     return server.lm.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def check_length(server: Server, n: int) -> None:
-    lm = server.lm
-    if n >= lm.max_context:
-        fail(400, f"the prompt is {n} tokens; {lm.name} reads at most {lm.max_context} tokens, prompt and "
-                  f"completion together", param="messages", code="context_length_exceeded")
-
-
 def make_job(server: Server, body: Generation, prompt: Prompt, docs: list[list[int]], o: Options,
-             limit: int | None) -> Job:
+             limit: int | None, limit_field: str, default: int) -> Job:
     refuse_unsupported(body)
-    check_length(server, len(prompt.ids) + sum(map(len, docs)))
+    n_prompt = len(prompt.ids) + sum(map(len, docs))
+    limit = completion_limit(server.lm, n_prompt, limit, limit_field, default,
+                             "messages" if isinstance(body, ChatRequest) else "prompt")
     timeout = body.kvmem.timeout if body.kvmem and body.kvmem.timeout else server.timeout_s
     return Job(prompt, sampling(server, body, limit), o, docs, timeout)
 
@@ -84,15 +80,9 @@ def chat_job(server: Server, body: ChatRequest) -> Job:
     """The conversation through the chat template, split before its last message; documents join the reusable
     context (prefix reuse) or are assembled apart (cacheblend, infoflow)."""
     check_model(server, body.model)
+    check_generation(body)
     o = options(server, body)
-    messages = []
-    for m in body.messages:
-        content = m.content
-        if isinstance(content, list):
-            if any(p.get("type") != "text" for p in content):
-                fail(400, "only text content parts are supported", param="messages")
-            content = "".join(p.get("text", "") for p in content)
-        messages.append({"role": m.role, "content": content or ""})
+    messages = [{"role": m.role, "content": text} for m, text in zip(body.messages, message_texts(body))]
     docs = [encode(server, d + DOC_END) for d in (body.kvmem.documents or [])] if body.kvmem else []
     try:
         prompt = chat_prompt(server.lm.tokenizer, messages)
@@ -101,12 +91,14 @@ def chat_job(server: Server, body: ChatRequest) -> Job:
     if o.reuse == "prefix" and docs:  # the documents join the reusable context, in the order given
         prompt = Prompt(prompt.context + [t for d in docs for t in d], prompt.question, prompt.head)
         docs = []
-    return make_job(server, body, prompt, docs, o, body.max_completion_tokens or body.max_tokens)
+    limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    return make_job(server, body, prompt, docs, o, getattr(body, limit_field), limit_field, server.max_tokens)
 
 
 def completion_job(server: Server, body: CompletionRequest) -> Job:
     """A raw prompt (text or token ids), its last token the question."""
     check_model(server, body.model)
+    check_generation(body)
     o = options(server, body)
     tokenizer = server.lm.tokenizer
     if body.kvmem and body.kvmem.documents:
@@ -128,4 +120,4 @@ def completion_job(server: Server, body: CompletionRequest) -> Job:
         fail(400, "the prompt is empty", param="prompt")
     n_special = len(tokenizer("", add_special_tokens=True).input_ids)
     prompt = Prompt(ids[:-1], ids[-1:], min(n_special, len(ids) - 1))
-    return make_job(server, body, prompt, [], o, body.max_tokens or 16)  # OpenAI's default max_tokens for completions
+    return make_job(server, body, prompt, [], o, body.max_tokens, "max_tokens", 16)  # OpenAI's default for completions

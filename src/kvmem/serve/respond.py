@@ -39,6 +39,7 @@ def observe(server: Server, event: Event, job: Job) -> None:
         server.metrics.record_prefill(len(job.prompt.ids) + sum(map(len, job.documents)), event.data["reused_tokens"])
     elif event.kind == "done":
         server.metrics.record_done(event.data)
+        job.completion_tokens += event.data["completion_tokens"]
 
 
 def usage(done: list[dict]) -> dict:

@@ -3,9 +3,9 @@ does not implement (refused with a 400 naming the field, never silently ignored)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 
 class APIError(Exception):
@@ -42,7 +42,26 @@ class KVMemOptions(BaseModel):
     layer: int | None = None
 
 
-class Generation(BaseModel):
+class Accepted(BaseModel):
+    """OpenAI fields kvmem accepts and does not act on, as vLLM does (billing, storage and cache hints; `user` goes
+    to the access log); their types and OpenAI's limits are still checked. See serve/validate.py for every field."""
+    user: str | None = None
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=512)]] | None = Field(None, max_length=16)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    parallel_tool_calls: bool | None = None
+    safety_identifier: Annotated[str, StringConstraints(max_length=128)] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+
+    @field_validator("temperature", "top_p", "n", "stream", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, value, info):  # OpenAI's nullable fields: null means the default
+        return cls.model_fields[info.field_name].default if value is None else value
+
+
+class Generation(Accepted):
     model_config = ConfigDict(extra="allow")  # OpenAI fields we do not use; the ones we cannot honour are refused
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -56,9 +75,12 @@ class Generation(BaseModel):
     kvmem: KVMemOptions | None = None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # "function": OpenAI's deprecated role
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal[ROLES]
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -76,7 +98,8 @@ class EmbeddingRequest(BaseModel):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: str = "float"
-    dimensions: int | None = None
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
     kvmem: KVMemOptions | None = None
 
 
