@@ -9,6 +9,8 @@ from kvmem.prompts import Prompt, chat_prompt
 from kvmem.serve.engine import REUSE_MODES, Job, Options, Sampling
 from kvmem.serve.schemas import ChatRequest, CompletionRequest, Generation, KVMemOptions, fail, refuse_unsupported
 from kvmem.serve.state import Server
+from kvmem.serve.tokens import token_options, tools_of
+from kvmem.serve.tools import template_message
 
 DOC_END = "\n\n"  # after each document, as in the RAG benchmark
 
@@ -58,7 +60,8 @@ def sampling(server: Server, body: Generation, limit: int | None) -> Sampling:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         fail(400, "stop takes up to 4 non-empty strings", param="stop")
-    return Sampling(limit or server.max_tokens, body.temperature, body.top_p, body.seed, stop, body.n)
+    return Sampling(limit or server.max_tokens, body.temperature, body.top_p, body.seed, stop, body.n,
+                    **token_options(server, body, chat=isinstance(body, ChatRequest)))
 
 
 def encode(server: Server, text: str) -> list[int]:
@@ -92,10 +95,10 @@ def chat_job(server: Server, body: ChatRequest) -> Job:
             if any(p.get("type") != "text" for p in content):
                 fail(400, "only text content parts are supported", param="messages")
             content = "".join(p.get("text", "") for p in content)
-        messages.append({"role": m.role, "content": content or ""})
+        messages.append(template_message(m.role, content or "", m.model_extra or {}))
     docs = [encode(server, d + DOC_END) for d in (body.kvmem.documents or [])] if body.kvmem else []
     try:
-        prompt = chat_prompt(server.lm.tokenizer, messages)
+        prompt = chat_prompt(server.lm.tokenizer, messages, tools_of(server, body))
     except KVMemError as e:
         fail(400, str(e), param="messages")
     if o.reuse == "prefix" and docs:  # the documents join the reusable context, in the order given

@@ -80,11 +80,9 @@ class EmbeddingRequest(BaseModel):
     kvmem: KVMemOptions | None = None
 
 
-# what the OpenAI API has and kvmem does not do: refused when set to anything but the neutral value
-_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-                "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0, 0.0),
-                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "echo": (None, False),
-                "best_of": (None, 1), "suffix": (None, "")}
+# what the OpenAI API has and kvmem does not do: refused when set to anything but the neutral value (the token
+# fields kvmem does, and those it refuses with a reason, are read in serve/tokens.py)
+_UNSUPPORTED: dict[str, tuple] = {}
 
 
 def refuse_unsupported(body: BaseModel) -> None:
