@@ -230,7 +230,7 @@ def test_tool_calls_are_parsed_out_of_hermes_text():
 
 @pytest.fixture(scope="module")
 def qwen_client():
-    with LocalServer(["--threads", "1"], model="qwen2.5-coder-0.5b") as s:
+    with LocalServer(["--threads", "1"], model="qwen2.5-coder-0.5b", startup_s=600) as s:  # a 0.5B load, beside others
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 

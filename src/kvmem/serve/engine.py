@@ -39,7 +39,7 @@ from kvmem.forward import feed
 from kvmem.generate import end_ids, prepare
 from kvmem.models import LoadedModel
 from kvmem.prompts import Prompt
-from kvmem.serve.logits import Shaper, TokenLogprob, prompt_logprobs, token_logprob
+from kvmem.serve.logits import Shaper, TokenLogprob, prompt_logprobs, token_logprob, vocab_size
 
 REUSE_MODES = ("prefix", "cacheblend", "infoflow")
 
@@ -189,7 +189,7 @@ class Stream:
         self.ends = set() if job.options.ignore_eos else ends
         seed = s.seed + choice if s.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator().manual_seed(seed)
-        self.shaper = Shaper(lm, lm.model.config.vocab_size, s.presence_penalty, s.frequency_penalty, s.logit_bias,
+        self.shaper = Shaper(lm, vocab_size(lm), s.presence_penalty, s.frequency_penalty, s.logit_bias,
                              s.grammar, ends)
         self.out: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # not sent yet

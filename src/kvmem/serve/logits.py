@@ -101,7 +101,10 @@ def prompt_logprobs(lm: LoadedModel, ids: list[int], top: int, piece: int = 128)
     """Each prompt token's logprob given the tokens before it (the first has none), from a forward of the whole
     prompt through the uncompressed model, in pieces so that only `piece` rows of logits are held at once."""
     tokenizer = lm.tokenizer
-    texts = [tokenizer.decode(ids[:i], skip_special_tokens=True) for i in range(len(ids))]
+    special, read, offsets = set(tokenizer.all_special_ids), b"", []
+    for token in ids:  # where each token's text starts in the decoded prompt (special tokens have none)
+        offsets.append(len(read.decode("utf-8", "replace")))
+        read += b"" if token in special else token_bytes(tokenizer, token)
     first = TokenLogprob(*_described(tokenizer, ids[0]), None, [], 0)
     out, cache = [first], KVCache(lm.model.config, observe_window=0)
     for s in range(0, len(ids) - 1, piece):
@@ -110,8 +113,13 @@ def prompt_logprobs(lm: LoadedModel, ids: list[int], top: int, piece: int = 128)
         for j in range(logits.shape[0]):
             i = s + j + 1  # the token these logits predict
             if i < len(ids):
-                out.append(token_logprob(tokenizer, logits[j], ids[i], top, len(texts[i])))
+                out.append(token_logprob(tokenizer, logits[j], ids[i], top, offsets[i]))
     return out
+
+
+def vocab_size(lm: LoadedModel) -> int:
+    """How many logits the model gives (its output layer's rows; can be more than the tokenizer's tokens)."""
+    return lm.model.get_output_embeddings().weight.shape[0]
 
 
 # -- logits processors ----------------------------------------------------------------------------------------------

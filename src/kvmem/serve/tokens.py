@@ -13,7 +13,7 @@ import numbers
 
 from pydantic import BaseModel
 
-from kvmem.serve.logits import MAX_TOP_LOGPROBS, check_grammar
+from kvmem.serve.logits import MAX_TOP_LOGPROBS, check_grammar, vocab_size
 from kvmem.serve.schemas import fail
 from kvmem.serve.state import Server
 from kvmem.serve.tools import forced_call_grammar, read_tools
@@ -128,7 +128,7 @@ def token_options(server: Server, body: BaseModel, chat: bool) -> dict:
         grammar = grammar or forced
     return {"presence_penalty": _number(extra, "presence_penalty", -2, 2),
             "frequency_penalty": _number(extra, "frequency_penalty", -2, 2),
-            "logit_bias": _logit_bias(extra, server.lm.model.config.vocab_size),
+            "logit_bias": _logit_bias(extra, vocab_size(server.lm)),
             "logprobs": logprobs, "prompt_logprobs": bool(echo) and logprobs is not None, "grammar": grammar}
 
 
