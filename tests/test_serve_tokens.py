@@ -32,7 +32,7 @@ TOOLS = [{"type": "function", "function": {
 def server(request):
     args = ["--threads", "1", "--max-n", "2"] + (["--no-batching", "--workers", "1"] if request.param == "no-batching"
                                                   else [])
-    with LocalServer(args) as s:
+    with LocalServer(args, startup_s=600) as s:  # a loaded machine (a kernel rebuild beside) can take minutes
         yield s
 
 

@@ -81,8 +81,10 @@ def completion_logprobs(answer: list[TokenLogprob], prompt: list[TokenLogprob] =
             "top_logprobs": tops, "text_offset": [e.offset for e in prompt] + [e.offset + echoed for e in answer]}
 
 
-def echo_text(server: Server, body: Generation, job: Job) -> str:
-    """The prompt a completion with `echo` starts with: as sent, or decoded from the token ids sent."""
+def echo_text(server: Server, body: Generation, job: Job, chat: bool) -> str:
+    """The prompt a completion with `echo` starts with: as sent, or decoded from the token ids sent ('' without)."""
+    if chat or not (body.model_extra or {}).get("echo"):
+        return ""
     p = body.prompt
     if isinstance(p, list) and p and isinstance(p[0], str):
         p = p[0]
@@ -118,7 +120,7 @@ async def respond(server: Server, request: Request, body: Generation, job: Job, 
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     n, wants_logprobs = job.sampling.n, job.sampling.logprobs is not None
-    echo = "" if chat or not (body.model_extra or {}).get("echo") else echo_text(server, body, job)
+    echo = echo_text(server, body, job, chat)
 
     async def collect():
         texts, done, logprobs, prompt_logprobs = [""] * n, [], [[] for _ in range(n)], []
@@ -144,10 +146,9 @@ async def respond(server: Server, request: Request, body: Generation, job: Job, 
     if chat:
         choices = []
         for i, (t, f) in enumerate(zip(texts, finish)):
-            message = {"role": "assistant", "content": t}
             content, calls = parse_tool_calls(t) if parses_tool_calls(body) else (t, [])
-            if calls:
-                message, f = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+            f = "tool_calls" if calls else f
             choices.append({"index": i, "message": message, "finish_reason": f,
                             "logprobs": chat_logprobs(logprobs[i]) if wants_logprobs else None})
     else:
@@ -163,7 +164,7 @@ async def respond(server: Server, request: Request, body: Generation, job: Job, 
 async def stream(server: Server, events, first: Event, job: Job, rid: str, created: int, model: str, endpoint: str, chat: bool,
                  include_usage: bool, body: Generation):
     kind = "chat.completion.chunk" if chat else "text_completion"
-    echo = "" if chat or not (body.model_extra or {}).get("echo") else echo_text(server, body, job)
+    echo = echo_text(server, body, job, chat)
     tools = [ToolTextFilter() for _ in range(job.sampling.n)] if chat and parses_tool_calls(body) else None
     prompt_logprobs: list[TokenLogprob] = []
 
