@@ -206,7 +206,7 @@ def test_models_health_and_metrics(client, server):
     ({"n": 1000}, 400, "n=1000"),
     ({"temperature": 7}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "maximum context length is 8192 tokens"),
-    ({"logprobs": True}, 400, "logprobs"),
+    ({"top_logprobs": 3}, 400, "top_logprobs needs logprobs"),
     ({"kvmem": {"reuse": "cacheblend"}}, 400, "documents"),
     ({"kvmem": {"bogus": 1}}, 400, "bogus"),
 ])

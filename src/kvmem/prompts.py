@@ -61,10 +61,11 @@ def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
     return Prompt(ids, encode(tail), n_head)
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> Prompt:
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Prompt:
     """Token ids of a chat (OpenAI-style `messages`, through the tokenizer's chat template, with the generation
     prompt), split before the last message's text: `context` holds the system prompt and the earlier turns (what
-    requests of one conversation, or sharing one system prompt, have in common), `question` the last message."""
+    requests of one conversation, or sharing one system prompt, have in common), `question` the last message.
+    `tools` (OpenAI function specs) are rendered by the template where it renders them."""
     if tokenizer.chat_template is None:
         raise KVMemError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
     if not messages:
@@ -72,7 +73,8 @@ def chat_prompt(tokenizer, messages: list[dict]) -> Prompt:
     *earlier, last = messages
     try:
         text = tokenizer.apply_chat_template([*earlier, {**last, "content": _MARK + last["content"]}],
-                                             add_generation_prompt=True, tokenize=False)
+                                             add_generation_prompt=True, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
     except Exception as e:  # noqa: BLE001 - jinja raises for role orders a template refuses
         raise KVMemError(f"the chat template refuses these messages: {e}") from None
     if text.count(_MARK) != 1:

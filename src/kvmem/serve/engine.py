@@ -39,6 +39,7 @@ from kvmem.forward import feed
 from kvmem.generate import end_ids, prepare
 from kvmem.models import LoadedModel
 from kvmem.prompts import Prompt
+from kvmem.serve.logits import Shaper, TokenLogprob, prompt_logprobs, token_logprob, vocab_size
 
 REUSE_MODES = ("prefix", "cacheblend", "infoflow")
 
@@ -78,6 +79,12 @@ class Sampling:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # report each token's logprob and this many alternatives; None: no logprobs
+    prompt_logprobs: bool = False  # and the prompt's (`echo` with `logprobs`)
+    grammar: str | None = None  # an llguidance grammar the output must match (JSON mode, a forced tool call)
 
 
 @dataclass
@@ -155,6 +162,13 @@ def prefill_job(lm: LoadedModel, store, job: Job, interrupt: Callable[[], None])
     return res.cache, res.logits, reused, held, held
 
 
+def echo_logprobs(lm: LoadedModel, job: Job, choice: int) -> dict:
+    """The prompt's logprobs for `echo` (with the first choice's `prefilled` event; every choice echoes them)."""
+    if not job.sampling.prompt_logprobs or choice != 0:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs(lm, job.prompt.ids, job.sampling.logprobs or 0)}
+
+
 def stop_if_ended(job: Job) -> Callable[[], None]:
     """An `interrupt` that raises `Stopped` once the job is cancelled or past its deadline."""
     def interrupt():
@@ -164,8 +178,10 @@ def stop_if_ended(job: Job) -> Callable[[], None]:
 
 
 class Stream:
-    """One choice being decoded: samples each token from the logits it is given, ends at an end token, a stop string
-    or `limit` tokens, and emits the text as it becomes safe to send (not the start of a possible stop string)."""
+    """One choice being decoded: samples each token from the logits it is given (shaped by its penalties, bias and
+    grammar, `serve.logits`), ends at an end token, a stop string, the end of its grammar or `limit` tokens, and
+    emits the text as it becomes safe to send (not the start of a possible stop string), each delta with the
+    logprobs of the tokens it completes when they are asked for."""
 
     def __init__(self, lm: LoadedModel, job: Job, choice: int, emit: Callable[[Event], None], limit: int,
                  ends: set[int]):
@@ -174,7 +190,10 @@ class Stream:
         self.ends = set() if job.options.ignore_eos else ends
         seed = s.seed + choice if s.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator().manual_seed(seed)
+        self.shaper = Shaper(lm, vocab_size(lm), s.presence_penalty, s.frequency_penalty, s.logit_bias,
+                             s.grammar, ends)
         self.out: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # not sent yet
         self.text, self.sent, self.finish, self.first_token_at = "", 0, "length", None
 
     def push(self, logits: torch.Tensor) -> bool:
@@ -182,28 +201,39 @@ class Stream:
         s = self.job.sampling
         if len(self.out) >= self.limit:
             return False
-        token = sample(logits, s.temperature, s.top_p, self.generator)
+        token = sample(self.shaper.shape(logits) if self.shaper.active else logits, s.temperature, s.top_p,
+                       self.generator)
         self.first_token_at = self.first_token_at or time.monotonic()
         if token in self.ends:
             self.finish = "stop"
             return False
+        self.shaper.take(token)
+        if s.logprobs is not None:
+            self.logprobs.append(token_logprob(self.lm.tokenizer, logits, token, s.logprobs, len(self.text)))
         self.out.append(token)
         self.text = self.lm.tokenizer.decode(self.out)
         hits = [i for i in (self.text.find(x, max(self.sent - len(x), 0)) for x in s.stop) if i >= 0]
         if hits:
             self.text, self.finish = self.text[:min(hits)], "stop"
             return False
+        if self.shaper.complete:  # the grammar is matched: only an end token could follow
+            self.finish = "stop"
+            return False
         safe = len(self.text) - _held_back(self.text, s.stop)
         if safe > self.sent:
-            self.emit(Event("delta", self.choice, self.text[self.sent:safe]))
+            self._delta(self.text[self.sent:safe])
             self.sent = safe
         return len(self.out) < self.limit
+
+    def _delta(self, text: str) -> None:
+        self.emit(Event("delta", self.choice, text, data={"logprobs": self.logprobs} if self.logprobs else {}))
+        self.logprobs = []
 
     def close(self, last: bool, reused: int, kv_full: int, kv_kept: int) -> None:
         """Send what is left of the text and the `done` event."""
         text = self.text[:-1] if self.text.endswith("\ufffd") else self.text
-        if len(text) > self.sent:
-            self.emit(Event("delta", self.choice, text[self.sent:]))
+        if len(text) > self.sent or self.logprobs:  # the tokens held back, or cut by a stop string, have logprobs too
+            self._delta(text[self.sent:])
         done, job, n = time.monotonic(), self.job, len(self.out)
         self.emit(Event("done", self.choice, finish_reason=self.finish, data={
             "completion_tokens": n, "prompt_tokens": len(job.prompt.ids) + sum(map(len, job.documents)),
@@ -341,7 +371,8 @@ class Engine:
             return False
         job.kv_bytes = cache.kv_bytes()
         emit(Event("prefilled", choice, data={"reused_tokens": reused, "prefill_s": time.monotonic() - t0,
-                                              "kv_bytes": kv_kept, "kv_bytes_full": kv_full}))
+                                              "kv_bytes": kv_kept, "kv_bytes_full": kv_full}
+                   | echo_logprobs(lm, job, choice)))
         stream = Stream(lm, job, choice, emit, min(job.sampling.max_tokens, lm.max_context - cache.get_seq_length()),
                         self._ends)
         while True:

@@ -7,8 +7,10 @@ from __future__ import annotations
 from kvmem.errors import KVMemError
 from kvmem.prompts import Prompt, chat_prompt
 from kvmem.serve.engine import REUSE_MODES, Job, Options, Sampling
-from kvmem.serve.schemas import ChatRequest, CompletionRequest, Generation, KVMemOptions, fail, refuse_unsupported
+from kvmem.serve.schemas import ChatRequest, CompletionRequest, Generation, KVMemOptions, fail
 from kvmem.serve.state import Server
+from kvmem.serve.tokens import token_options, tools_of
+from kvmem.serve.tools import template_message
 from kvmem.serve.validate import check_generation, completion_limit, message_texts
 
 DOC_END = "\n\n"  # after each document, as in the RAG benchmark
@@ -59,7 +61,8 @@ def sampling(server: Server, body: Generation, limit: int) -> Sampling:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         fail(400, "stop takes up to 4 non-empty strings", param="stop")
-    return Sampling(limit, body.temperature, body.top_p, body.seed, stop, body.n)
+    return Sampling(limit, body.temperature, body.top_p, body.seed, stop, body.n,
+                    **token_options(server, body, chat=isinstance(body, ChatRequest)))
 
 
 def encode(server: Server, text: str) -> list[int]:
@@ -68,7 +71,6 @@ def encode(server: Server, text: str) -> list[int]:
 
 def make_job(server: Server, body: Generation, prompt: Prompt, docs: list[list[int]], o: Options,
              limit: int | None, limit_field: str, default: int) -> Job:
-    refuse_unsupported(body)
     n_prompt = len(prompt.ids) + sum(map(len, docs))
     limit = completion_limit(server.lm, n_prompt, limit, limit_field, default,
                              "messages" if isinstance(body, ChatRequest) else "prompt")
@@ -82,10 +84,10 @@ def chat_job(server: Server, body: ChatRequest) -> Job:
     check_model(server, body.model)
     check_generation(body)
     o = options(server, body)
-    messages = [{"role": m.role, "content": text} for m, text in zip(body.messages, message_texts(body))]
+    messages = [template_message(m.role, text, m.model_extra or {}) for m, text in zip(body.messages, message_texts(body))]
     docs = [encode(server, d + DOC_END) for d in (body.kvmem.documents or [])] if body.kvmem else []
     try:
-        prompt = chat_prompt(server.lm.tokenizer, messages)
+        prompt = chat_prompt(server.lm.tokenizer, messages, tools_of(server, body))
     except KVMemError as e:
         fail(400, str(e), param="messages")
     if o.reuse == "prefix" and docs:  # the documents join the reusable context, in the order given

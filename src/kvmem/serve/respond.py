@@ -1,6 +1,8 @@
 """A job run for an HTTP request: admitted to the engine (429 when it is full), its events answered as one JSON
 body or as server-sent events in OpenAI's chunk format, with usage and kvmem's own report; cancelled when the
-client goes away (499, counted)."""
+client goes away (499, counted). Logprobs in OpenAI's two formats (chat: `logprobs.content[]`; completions: the
+legacy `tokens`/`token_logprobs`/`top_logprobs`/`text_offset`), `echo`ed prompts, and tool calls parsed out of
+the text (`serve.tools`) are shaped here."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvmem.serve.engine import Busy, Event, Job, Options
+from kvmem.serve.logits import TokenLogprob
 from kvmem.serve.schemas import APIError, Generation, error_body, fail
 from kvmem.serve.state import Server
+from kvmem.serve.tokens import parses_tool_calls
+from kvmem.serve.tools import ToolTextFilter, parse_tool_calls
 
 
 async def until_disconnect(request: Request, awaitable):
@@ -56,6 +61,37 @@ def kvmem_info(done: list[dict], o: Options) -> dict:
             "kv_bytes_full": done[0]["kv_bytes_full"], "ttft_s": done[0]["ttft_s"]}
 
 
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    """OpenAI's `ChoiceLogprobs` of a chat choice (or chunk)."""
+    return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": e.bytes,
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, b, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(answer: list[TokenLogprob], prompt: list[TokenLogprob] = (), echoed: int = 0) -> dict:
+    """The legacy `Logprobs` of /v1/completions: each token's alternatives include the token itself, as OpenAI's
+    do (so up to logprobs + 1 of them); with `echo`, the `prompt`'s tokens come first, its first token without any
+    (null). Offsets count from the start of the returned text, where the answer follows `echoed` characters."""
+    entries, tops = [*prompt, *answer], []
+    for e in entries:
+        top = None if e.logprob is None else {t: lp for t, _, lp in e.top}
+        if top is not None:
+            top.setdefault(e.text, e.logprob)
+        tops.append(top)
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": [e.offset for e in prompt] + [e.offset + echoed for e in answer]}
+
+
+def echo_text(server: Server, body: Generation, job: Job, chat: bool) -> str:
+    """The prompt a completion with `echo` starts with: as sent, or decoded from the token ids sent ('' without)."""
+    if chat or not (body.model_extra or {}).get("echo"):
+        return ""
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        p = p[0]
+    return p if isinstance(p, str) else server.lm.tokenizer.decode(job.prompt.ids)
+
+
 def gone(server: Server, job: Job, endpoint: str) -> Response:
     job.cancel.set()
     server.metrics.cancelled.inc()
@@ -80,32 +116,45 @@ async def respond(server: Server, request: Request, body: Generation, job: Job, 
             await events.aclose()
             raise error_of(first)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(stream(server, events, first, job, rid, created, model, endpoint, chat, include_usage),
+        return StreamingResponse(stream(server, events, first, job, rid, created, model, endpoint, chat, include_usage,
+                                        body),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    n, wants_logprobs = job.sampling.n, job.sampling.logprobs is not None
+    echo = echo_text(server, body, job, chat)
+
     async def collect():
-        texts, done = [""] * job.sampling.n, []
-        finish = [None] * job.sampling.n
+        texts, done, logprobs, prompt_logprobs = [""] * n, [], [[] for _ in range(n)], []
+        finish = [None] * n
         async for event in events:
             observe(server, event, job)
             if event.kind == "error":
                 raise error_of(event)
-            if event.kind == "delta":
+            if event.kind == "prefilled":
+                prompt_logprobs = event.data.get("prompt_logprobs", prompt_logprobs)
+            elif event.kind == "delta":
                 texts[event.choice] += event.text
+                logprobs[event.choice] += event.data.get("logprobs", [])
             elif event.kind == "done":
                 finish[event.choice] = event.finish_reason
                 done.append(event.data)
-        return texts, finish, done
+        return texts, finish, done, logprobs, prompt_logprobs
 
     result = await until_disconnect(request, collect())
     if result is None:
         return gone(server, job, endpoint)
-    texts, finish, done = result
+    texts, finish, done, logprobs, prompt_logprobs = result
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f,
-                    "logprobs": None} for i, (t, f) in enumerate(zip(texts, finish))]
+        choices = []
+        for i, (t, f) in enumerate(zip(texts, finish)):
+            content, calls = parse_tool_calls(t) if parses_tool_calls(body) else (t, [])
+            message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+            f = "tool_calls" if calls else f
+            choices.append({"index": i, "message": message, "finish_reason": f,
+                            "logprobs": chat_logprobs(logprobs[i]) if wants_logprobs else None})
     else:
-        choices = [{"index": i, "text": t, "finish_reason": f, "logprobs": None}
+        choices = [{"index": i, "text": echo + t, "finish_reason": f,
+                    "logprobs": completion_logprobs(logprobs[i], prompt_logprobs, len(echo)) if wants_logprobs else None}
                    for i, (t, f) in enumerate(zip(texts, finish))]
     server.metrics.requests.labels(endpoint, "200").inc()
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -114,18 +163,25 @@ async def respond(server: Server, request: Request, body: Generation, job: Job, 
 
 
 async def stream(server: Server, events, first: Event, job: Job, rid: str, created: int, model: str, endpoint: str, chat: bool,
-                 include_usage: bool):
+                 include_usage: bool, body: Generation):
     kind = "chat.completion.chunk" if chat else "text_completion"
+    echo = echo_text(server, body, job, chat)
+    tools = [ToolTextFilter() for _ in range(job.sampling.n)] if chat and parses_tool_calls(body) else None
+    prompt_logprobs: list[TokenLogprob] = []
 
     def chunk(choices: list, **extra) -> str:
         return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
                                       "system_fingerprint": server.fingerprint, "choices": choices, **extra}) + "\n\n"
 
-    def choice(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+    def choice(i: int, text: str | None = None, finish: str | None = None, role: bool = False,
+               logprobs: list[TokenLogprob] | None = None, prompt: list[TokenLogprob] = (), calls: list = ()) -> dict:
         if not chat:
-            return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
-        delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-        return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": i, "text": text or "", "finish_reason": finish,
+                    "logprobs": completion_logprobs(logprobs or [], prompt, len(echo)) if logprobs or prompt else None}
+        delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {}) | (
+            {"tool_calls": [c | {"index": k} for k, c in enumerate(calls)]} if calls else {})
+        return {"index": i, "delta": delta, "finish_reason": finish,
+                "logprobs": chat_logprobs(logprobs) if logprobs else None}
 
     done, status = [], "200"
     try:
@@ -134,11 +190,24 @@ async def stream(server: Server, events, first: Event, job: Job, rid: str, creat
             observe(server, event, job)
             if event.kind == "prefilled" and chat:
                 yield chunk([choice(event.choice, "", role=True)])
+            elif event.kind == "prefilled" and echo:  # the prompt comes first (with its logprobs, asked for)
+                prompt_logprobs = event.data.get("prompt_logprobs", prompt_logprobs)
+                yield chunk([choice(event.choice, echo, prompt=prompt_logprobs)])
             elif event.kind == "delta":
-                yield chunk([choice(event.choice, event.text)])
+                text, logprobs = event.text, event.data.get("logprobs")
+                if tools:
+                    text = tools[event.choice].feed(text)
+                if text or logprobs:
+                    yield chunk([choice(event.choice, text, logprobs=logprobs)])
             elif event.kind == "done":
                 done.append(event.data)
-                yield chunk([choice(event.choice, None if chat else "", event.finish_reason)])
+                finish = event.finish_reason
+                if tools:  # what was held back: content, or the calls
+                    text, calls = tools[event.choice].finish()
+                    if text or calls:
+                        yield chunk([choice(event.choice, text or None, calls=calls)])
+                    finish = "tool_calls" if calls else finish
+                yield chunk([choice(event.choice, None if chat else "", finish)])
                 if event.data["last"]:
                     break
             elif event.kind == "error":

@@ -64,8 +64,8 @@ from kvmem.errors import KVMemError
 from kvmem.forward import feed, step
 from kvmem.generate import end_ids, new_cache
 from kvmem.models import LoadedModel, on_passing_thread
-from kvmem.serve.engine import (Busy, Event, Job, Stopped, Stream, prefill_job, stop_if_ended, timeout_event,
-                                until_last)
+from kvmem.serve.engine import (Busy, Event, Job, Stopped, Stream, echo_logprobs, prefill_job, stop_if_ended,
+                                timeout_event, until_last)
 from kvmem.store.swap import pack_cache, unpack_cache
 from kvmem.store.tiers import DiskTier
 
@@ -308,11 +308,18 @@ class Scheduler:
         self.prefill_bytes = max(self.prefill_bytes, kv_full)
         self._kept_share[_configuration(job)] = cache.kv_bytes() / max(self._full_bytes(job), 1.0)  # the latest
         limit = min(job.sampling.max_tokens, lm.max_context - cache.get_seq_length())
+        try:  # a grammar that fails to build, a prompt too long to echo: this request fails, not the rows
+            streams = [Stream(lm, job, choice, request.emit, limit, self._ends) for choice in range(job.sampling.n)]
+            echoed = echo_logprobs(lm, job, 0)
+        except KVMemError as e:
+            self._fail(request, 400, "invalid_request_error", str(e))
+            return
         caches = [cache] + [cache.clone() for _ in range(job.sampling.n - 1)]
-        for choice, c in enumerate(caches):
+        for choice, (c, stream) in enumerate(zip(caches, streams)):
             request.emit(Event("prefilled", choice, data={"reused_tokens": reused, "prefill_s": time.monotonic() - t0,
-                                                          "kv_bytes": kv_kept, "kv_bytes_full": kv_full}))
-            row = Row(job, Stream(lm, job, choice, request.emit, limit, self._ends), c, reused, kv_full, kv_kept)
+                                                          "kv_bytes": kv_kept, "kv_bytes_full": kv_full}
+                               | (echoed if choice == 0 else {})))
+            row = Row(job, stream, c, reused, kv_full, kv_kept)
             request.rows.append(row)
             if row.stream.push(logits):
                 row.kv_bytes = c.kv_bytes()

@@ -1,5 +1,5 @@
-"""The OpenAI-style request bodies `kvmem serve` reads (pydantic), its error type and body, and the OpenAI fields it
-does not implement (refused with a 400 naming the field, never silently ignored)."""
+"""The OpenAI-style request bodies `kvmem serve` reads (pydantic), and its error type and body. Which OpenAI fields are
+used, accepted or refused is validate.py's; the token fields (logprobs, penalties, ...) are read in tokens.py."""
 
 from __future__ import annotations
 
@@ -101,17 +101,3 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     kvmem: KVMemOptions | None = None
-
-
-# what the OpenAI API has and kvmem does not do: refused when set to anything but the neutral value
-_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-                "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0, 0.0),
-                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "echo": (None, False),
-                "best_of": (None, 1), "suffix": (None, "")}
-
-
-def refuse_unsupported(body: BaseModel) -> None:
-    for name, value in (body.model_extra or {}).items():
-        if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
-            raise APIError(400, f"{name}={value!r} is not supported by kvmem serve", param=name,
-                           code="unsupported_parameter")

@@ -4,13 +4,13 @@
 
     used       read and honoured (model, messages, prompt, max_tokens, temperature, top_p, n, stop, stream, ...)
     accepted   read, type-checked and not acted on, as vLLM does: `user` (logged in the access log), `metadata`,
-               `service_tier`, `parallel_tool_calls` (there are no tool calls to run in parallel), `safety_identifier`,
+               `service_tier`, `parallel_tool_calls` (the calls a model writes are all returned), `safety_identifier`,
                `prompt_cache_key` / `_retention` / `_options` (kvmem reuses every prompt prefix on its own), and
                `stream_options.include_obfuscation` (OpenAI's stream padding, on by default there)
     refused    400 when set to anything but its neutral value: what kvmem cannot honour (audio, other modalities,
                predicted outputs, web search, reasoning effort, verbosity, moderation, stored completions)
-    decode     logprobs, penalties, logit_bias, echo, response_format, tools: `schemas._UNSUPPORTED` and the decode
-               path decide
+    decode     logprobs, penalties, logit_bias, echo, response_format, tools: read and checked in tokens.py and
+               tools.py, done in logits.py and respond.py
 
 A field that is none of OpenAI's (nor kvmem's own `kvmem` object) is refused, as OpenAI does ("unrecognized request
 argument"), so that a typo or another server's extension is not silently ignored.
