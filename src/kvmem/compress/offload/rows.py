@@ -194,7 +194,7 @@ def offload_layer(layer, method: "OffloadMethod", keep_ratio: float, ids: list[i
     index, and the retrieved rows' buffer (what is left of the budget). Rows at positions >= `protect_from` stay
     resident, outside the budget."""
     stacked = layer.rows.stacked()
-    if stacked is None or type(layer.rows).__name__ != "DenseRows" or layer.quant is not None:
+    if stacked is None or type(layer.rows).__name__ != "DenseRows" or layer.quant is not None or layer.evicted():
         raise KVMemError(f"{method.name} offloads a full-precision cache whose heads hold the same rows (no eviction "
                          "or quantization before it)")
     keys, values, positions = stacked
