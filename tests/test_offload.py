@@ -49,14 +49,15 @@ def offloaded_layers(cache: KVCache) -> dict[int, OffloadedRows]:
 
 
 def test_global_layers_are_offloaded_and_sliding_ones_left_whole(prefilled):
-    lm, ids, _, base = prefilled
-    cache, logits = offloaded(prefilled, "sentencekv")
-    layers = offloaded_layers(cache)
-    assert torch.isfinite(logits).all()
-    assert set(layers) == {i for i, layer in enumerate(cache.layers) if not layer.is_sliding}
+    lm, ids, question, base = prefilled
+    cache = base.clone()
+    compress(cache, get_method("sentencekv"), RATIO, context=ModelContext(lm, ids))
     for i, layer in enumerate(cache.layers):
         if layer.is_sliding:  # its window bounds it already: the rows transformers' own layer would hold
-            assert layer.lengths() == base.layers[i].lengths()
+            assert layer.rows.stacked()[2].tolist() == base.layers[i].rows.stacked()[2].tolist()
+    assert torch.isfinite(feed(lm, cache, question)).all()
+    layers = offloaded_layers(cache)
+    assert set(layers) == {i for i, layer in enumerate(cache.layers) if not layer.is_sliding}
     for rows in layers.values():  # every context row is somewhere: in the tier or resident (sinks, recent)
         fixed_context = sum(int((p < len(ids)).sum()) for p in rows.fixed.positions()[:1])
         assert rows.tier.rows + fixed_context == len(ids)
