@@ -73,6 +73,7 @@ def eval_(
     layers: str = typer.Option("-1", help="retrieval: comma-separated hidden layers for the LLM embedders (-1 = last), or 'all'."),
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
     raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
+    eval_settings: str = typer.Option("agnostic,aware", "--settings", help="longctx: comma-separated settings, agnostic and/or aware (the latter doubles a sample's cost)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
     cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
     parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
@@ -194,6 +195,7 @@ def eval_(
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),
         methods=_csv(methods) if methods else [m for m in METHODS if not METHODS[m].decode_phase],
         ratios=_csv(ratios, float), samples=samples, seed=seed, out=out, raw_prompt=raw_prompt,
+        settings=tuple(_csv(eval_settings)),
     )
     path = run(cfg)
     console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")

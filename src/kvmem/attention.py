@@ -13,6 +13,8 @@ tokens), or none when every query may see every row (a decode step, usually):
   and values (1, 1, N, D) and which rows each KV head's queries see, (H, Q, N) bool; one attention call.
 * `kvmem_decode`: a decode step's rows read in place by the decode kernel (`kvmem.kernel`; quantized rows' codes,
   nothing decoded, or an evicted layer's full-precision heads): `attend_in_place`.
+* `kvmem_offload`: an offloaded layer's rows and the new positions (`compress/offload/rows.py`): the rows retrieve
+  what the queries need from their tier, then attend their resident working set (`OffloadedRows.attend`).
 * `kvmem_layer`: the layer to call back with the queries (observation for the scorers, see `observe.py`).
 * `kvmem_rows`: a `RowBatch` (`batch.py`); per sequence (keys, values, its own kwargs of the above), attended
   sequence by sequence, each on its own rows, except the sequences read in place (`kvmem_decode`: in a batch, a
@@ -73,6 +75,10 @@ def kvmem_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
         return torch.cat([in_place[b] if b in in_place else
                           kvmem_attention(module, query[b:b + 1], k, v, own.pop("attention_mask", None), dropout, scaling,
                                           **(kwargs | own))[0] for b, (k, v, own) in enumerate(rows)]), None
+    if (offload := kwargs.pop("kvmem_offload", None)) is not None:
+        if kwargs.get("softcap") is not None:
+            raise KVMemError("attention logit soft-capping is not supported on offloaded kvmem layers")
+        return offload[0].attend(query, offload[1], scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])), None
     own_mask = "kvmem_mask" in kwargs
     mask = kwargs.pop("kvmem_mask", None)
     heads = kwargs.pop("kvmem_heads", None)  # a layer whose heads hold different numbers of rows

@@ -113,6 +113,8 @@ class BatchedCache(Cache):
             raise KVMemError("nothing to batch: no caches")
         if len({len(c.layers) for c in caches}) != 1:
             raise KVMemError("batched caches must come from the same model")
+        if any(getattr(layer.rows, "retrieves", False) for c in caches for layer in c.layers):
+            raise KVMemError("an offloaded cache retrieves rows as it attends; it is answered alone, not batched")
         super().__init__(layers=[BatchedLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
         self.rows = len(caches)
 

@@ -95,6 +95,17 @@ class KVCache(Cache):
         """Bytes held by key and value tensors (measured from their storages)."""
         return storage_bytes(t for layer in self.layers for t in layer.kv_tensors())
 
+    def offloaded_bytes(self) -> int:
+        """Bytes held in offloaded layers' slower tier (compress/offload/), measured; `kv_bytes` counts what is
+        resident."""
+        return storage_bytes(t for layer in self.layers if layer.is_initialized
+                             for t in getattr(layer.rows, "offloaded_tensors", list)())
+
+    def retrieved_peak_bytes(self) -> int:
+        """The most bytes offloaded layers' retrieved rows have held at once, summed over layers (measured after each
+        retrieval): what the resident working set adds to `kv_bytes` taken right after offloading."""
+        return sum(getattr(layer.rows, "peak_retrieved_bytes", 0) for layer in self.layers if layer.is_initialized)
+
     def state_bytes(self) -> int:
         """Bytes of positions and scorer observations held beside the KV."""
         return storage_bytes(t for layer in self.layers for t in layer.state_tensors())

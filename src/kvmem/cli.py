@@ -164,7 +164,7 @@ def methods_() -> None:
     """List the compression and embedding methods, the papers they follow, and the embedders' options."""
     import inspect
 
-    from kvmem.compress import BUDGETS, METHODS
+    from kvmem.compress import BUDGETS, METHODS, OFFLOAD
     from kvmem.embed import EMBEDDERS
 
     def options(cls, skip=("self", "model", "tokenizer", "layer")) -> list[str]:
@@ -181,6 +181,11 @@ def methods_() -> None:
         opts = options(cls) + ([f"budget={cls.budget!r}"] if cls.budget != "uniform" else [])
         console.print(f"[bold]{name}[/bold]: {' '.join(doc[:3])}" + (f"  options: {', '.join(opts)}" if opts else ""),
                       highlight=False)
+    console.print("\n[bold underline]offload and retrieve[/bold underline] (--method NAME; the keep ratio is the "
+                  "resident fraction, every row stays in a slower tier)")
+    for name, cls in OFFLOAD.items():
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+        console.print(f"[bold]{name}[/bold]: {doc[0] if doc else ''}  options: {', '.join(options(cls))}", highlight=False)
     from kvmem.quant import SCHEMES
 
     console.print("\n[bold underline]quantization[/bold underline] (kvmem generate --quant NAME[:option=value...])")

@@ -162,8 +162,9 @@ def answer(
     prompt = build_prompt(lm.tokenizer, context, question, answer_prefix, raw=raw_prompt)
     p = prepare(lm, prompt, method, keep_ratio, query_aware, quant, store)
     tokens = decode(lm, p.cache, p.logits, max_new_tokens)
-    return Answer(lm.tokenizer.decode(tokens), tokens, p.kv_bytes, p.kv_bytes_full, sum(map(sum, p.cache.tokens_held())),
-                  p.reuse)
+    # an offloaded cache's working set fills as it retrieves: its bytes at their peak count as held
+    return Answer(lm.tokenizer.decode(tokens), tokens, p.kv_bytes + p.cache.retrieved_peak_bytes(), p.kv_bytes_full,
+                  sum(map(sum, p.cache.tokens_held())), p.reuse)
 
 
 @dataclass

@@ -180,6 +180,9 @@ class KVLayer(CacheLayerMixin):
             self.log_weights = [torch.cat([w, w.new_zeros(n_new)]) for w in self.log_weights]
         self.next_position = max(self.next_position, last + 1)
         # What attention sees, taken before a sliding layer drops what later tokens cannot see.
+        if getattr(self.rows, "retrieves", False):  # offloaded rows (compress/offload/): they retrieve, then attend
+            kwargs["kvmem_offload"] = (self.rows, new_pos)
+            return key_states, value_states  # unread: the rows' `attend` reads its working set
         if self._decodes_in_place(new_pos, kwargs.get("kvmem_batched", False)):  # codes read where they are, not decoded
             kwargs["kvmem_decode"] = self.rows
             keys, values, heads = key_states, value_states, None  # unread: attend_in_place reads the rows

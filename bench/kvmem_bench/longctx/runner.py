@@ -45,7 +45,7 @@ from kvmem.errors import KVMemError
 from kvmem_bench.longctx.report import write_report
 from kvmem_bench.longctx.tasks import TASKS, make_samples, perplexity_text, score
 from kvmem.forward import feed
-from kvmem.generate import answer_batch, nll
+from kvmem.generate import answer_batch, decode, nll
 from kvmem.models import LoadedModel, load_model
 from kvmem.cache import KVCache
 from kvmem.prompts import Prompt, build_prompt
@@ -70,6 +70,7 @@ class EvalConfig:
     seed: int = 0
     out: Path = Path("results/longctx")
     raw_prompt: bool = False  # no chat template (base models)
+    settings: tuple[str, ...] = SETTINGS
 
     def validate(self) -> None:
         for t in self.tasks:
@@ -85,6 +86,8 @@ class EvalConfig:
                 raise KVMemError(f"keep ratio must be in (0, 1]; got {r}")
         if self.samples < 1:
             raise KVMemError("--samples must be at least 1")
+        if not self.settings or set(self.settings) - set(SETTINGS):
+            raise KVMemError(f"--settings: choose among {', '.join(SETTINGS)}; got {', '.join(self.settings) or 'none'}")
 
 
 def _configs(methods: list[str], ratios: list[float]) -> list[tuple[str, float]]:
@@ -138,6 +141,8 @@ def answer_configs(lm: LoadedModel, sample, pre: Prefilled, configs: list[tuple[
             cache.drop_observations()
             rows.append((method, ratio, cache, cache.kv_bytes(), compress_s))
         question = pre.prompt.question if setting == "agnostic" else pre.prompt.question[-1:]
+        records += _answer_offloaded(lm, sample, pre, setting, [r for r in rows if _offloaded(r[2])], question, full)
+        rows = [r for r in rows if not _offloaded(r[2])]
         for group in ([r for r in rows if r[1] >= 1.0], [r for r in rows if r[1] < 1.0]):
             if not group:
                 continue
@@ -152,6 +157,29 @@ def answer_configs(lm: LoadedModel, sample, pre: Prefilled, configs: list[tuple[
                                     answer_s=answer_s, batch=len(group), prefill_s=pre.prefill_s,
                                     context_tokens=len(pre.prompt.context), prompt_tokens=len(pre.prompt.ids)))
         del rows
+    return records
+
+
+def _offloaded(cache: KVCache) -> bool:
+    return any(getattr(layer.rows, "retrieves", False) for layer in cache.layers)
+
+
+def _answer_offloaded(lm: LoadedModel, sample, pre: Prefilled, setting: str, rows: list, question: list[int],
+                      full: int) -> list[dict]:
+    """Answers from offloaded caches (compress/offload/), one by one: each retrieves its own rows as it attends, so
+    they are not batched. `kv_bytes` is the resident bytes at their peak (after offloading, plus the retrieved rows'
+    largest buffer), `offloaded_bytes` what the slower tier holds."""
+    records = []
+    for method, ratio, cache, kv, compress_s in rows:
+        t0 = time.perf_counter()
+        logits = feed(lm, cache, question)
+        tokens = decode(lm, cache, logits, sample.max_new_tokens, stop_at_newline=sample.one_line, answers=sample.answers)
+        out = lm.tokenizer.decode(tokens)
+        records.append(dict(setting=setting, method=method, keep_ratio=ratio, score=score(sample, out), output=out,
+                            kv_bytes=kv + cache.retrieved_peak_bytes(), kv_bytes_full=full,
+                            offloaded_bytes=cache.offloaded_bytes(), compress_s=compress_s,
+                            answer_s=time.perf_counter() - t0, batch=1, prefill_s=pre.prefill_s,
+                            context_tokens=len(pre.prompt.context), prompt_tokens=len(pre.prompt.ids)))
     return records
 
 
@@ -179,6 +207,7 @@ def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) 
         kv = cache.kv_bytes()
         cache.drop_observations()
         loss = nll(lm, cache, ctx[-1:] + cont)
+        kv += cache.retrieved_peak_bytes()  # an offloaded cache's working set, at its peak (0 for eviction)
         records.append(dict(setting="agnostic", method=method, keep_ratio=ratio, score=math.exp(loss), output="",
                             kv_bytes=kv, kv_bytes_full=full, answer_s=time.perf_counter() - t0, prefill_s=prefill_s,
                             context_tokens=len(ctx)))
@@ -219,7 +248,7 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
     for n, (i, missing) in enumerate(pending.items()):
         sweep = _configs([m for m in missing if m != "full"], cfg.ratios)[1:]
         # tracked only when a method needs it (h2o): a method added later without it gets the cheaper prefill
-        pre = prefill_sample(lm, samples[i], raw_prompt=cfg.raw_prompt,
+        pre = prefill_sample(lm, samples[i], cfg.settings, raw_prompt=cfg.raw_prompt,
                              track=any(get_method(m).needs_attention for m in missing),
                              window=max(get_method(m).observe_window for m in missing))
         if "full" not in missing:  # screened in an earlier run: only the methods added since

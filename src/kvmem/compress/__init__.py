@@ -4,6 +4,8 @@
 `snapkv:window=64`, `kvzip:budget=adaptive` (the same spelling the CLI, results and plots use). Every method
 also takes `sliding=keep` (sliding-window layers are left whole, their window bounds them already; the keep
 ratio then applies to the global layers, as kvpress and KVzip's reference do on Gemma-3) or `sliding=compress`.
+The offload-and-retrieve policies (`offload/`: sentencekv, ltri, louiskv, actqkv) are named the same way; they keep
+every row in a slower tier and their keep ratio is the resident fraction.
 """
 
 from kvmem.compress.attention_matching import AttentionMatching
@@ -22,6 +24,7 @@ from kvmem.compress.keyformer import Keyformer
 from kvmem.compress.knorm import KNorm
 from kvmem.compress.kvcrush import KVCrush
 from kvmem.compress.moment_kv import MomentKV
+from kvmem.compress.offload import POLICIES as OFFLOAD_POLICIES
 from kvmem.compress.q_filters import QFilters
 from kvmem.compress.kvzip import KVzip
 from kvmem.compress.kvzip_head import KVzipHead
@@ -39,15 +42,18 @@ METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Random, StreamingL
                                                         CurDKV, ExpectedAttention, QFilters, KVzip, KVzipHead, VATP,
                                                         RCStat, AttentionMatching, Keyformer, DapQ, FastGen,
                                                         MomentKV, Finch, KVCrush, SubGen)}
+# offload-and-retrieve (offload/): named like the methods, kept apart because nothing is evicted (the benchmark's and
+# the tests' sweeps over METHODS are eviction's)
+OFFLOAD: dict[str, type[Method]] = {m.name: m for m in OFFLOAD_POLICIES}
 KVCrush.methods = METHODS  # kvcrush names its base method by name
 
 
 def get_method(spec: str, **options) -> Method:
     """A method by name or spec (`name:option=value:...`); keyword `options` come after the spec's. `budget`
     chooses the allocator (see `budget.py`); the rest go to the method's constructor."""
-    name, spec_options = parse_spec(spec, METHODS, "method")
+    name, spec_options = parse_spec(spec, {**METHODS, **OFFLOAD}, "method")
     options = {**spec_options, **options}
-    cls = METHODS[name]
+    cls = METHODS.get(name) or OFFLOAD[name]
     if cls.budgets == () and "budget" in options:
         raise KVMemError(f"method {name!r} sizes its heads itself (its own policies choose the tokens); it takes no "
                          f"budget option (got budget={options['budget']!r})")
@@ -71,5 +77,5 @@ def get_method(spec: str, **options) -> Method:
     return method
 
 
-__all__ = ["BUDGETS", "METHODS", "CompressionResult", "Compressor", "HeadView", "Method", "ModelContext", "compress",
+__all__ = ["BUDGETS", "METHODS", "OFFLOAD", "CompressionResult", "Compressor", "HeadView", "Method", "ModelContext", "compress",
            "compress_while_decoding", "get_method"]

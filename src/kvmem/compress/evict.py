@@ -112,6 +112,8 @@ def compress(
     methods that run the model (`method.needs_model`).
     """
     ratios = check_keep_ratio(keep_ratio, len(cache.layers))
+    if getattr(method, "offloads", False):  # offload-and-retrieve (compress/offload/): nothing is dropped
+        return method.offload(cache, ratios, context, protect_from)
     _check(method, ratios, cache.layers[0], context)
     if method.sliding == "keep":
         ratios = [1.0 if layer.is_sliding else r for r, layer in zip(ratios, cache.layers)]
@@ -244,6 +246,9 @@ class Compressor:
         if extra_rows and not every:
             raise KVMemError(f"Compressor: extra_rows={extra_rows} bounds the rows decoding adds, so it needs every=N "
                              "(how often the layer is brought back to its budget)")
+        if getattr(method, "offloads", False):
+            raise KVMemError(f"{method.name} offloads a prefilled cache, once: prefill, then call "
+                             "kvmem.compress.compress(cache, method, ratio, context=...) (or kvmem.generate.answer)")
         if method.needs_model or method.budget in WHOLE_CACHE:
             what = (f"method {method.name!r} needs the model" if method.needs_model
                     else f"budget {method.budget!r} compares heads of all layers")
