@@ -111,6 +111,24 @@ class _Slots:
         self.query = (query[0], scaling)
 
 
+class DeviationChoice:
+    """CacheBlend's selection at the check layer (a `choose` for `_run`): among the active tokens marked
+    `candidates`, the k whose fresh values deviate most from the cached ones (squared L2 over KV heads and channels:
+    the high-KV-deviation tokens) go on through the next layers; every active token that is not a candidate goes on
+    too. `picked`: the chosen candidates, as indices into the active tokens."""
+
+    def __init__(self, candidates: Tensor, k: int):
+        self.candidates, self.k = candidates, k
+        self.picked: Tensor | None = None
+
+    def __call__(self, fresh: Tensor, cached: Tensor) -> Tensor:
+        deviation = ((fresh - cached) ** 2).sum((0, 2)).masked_fill(~self.candidates, float("-inf"))
+        self.picked = deviation.topk(self.k).indices
+        keep = ~self.candidates
+        keep[self.picked] = True
+        return keep
+
+
 def _text(lm: LoadedModel):  # the decoder's config
     return lm.model.config.get_text_config()
 
@@ -311,16 +329,10 @@ def assemble_and_answer(lm: LoadedModel, head_ids: list[int], docs: list[DocKV],
             selected = doc_slots[:0]
             logits, counts, _ = _run(lm, kv, positions, ids, q_slots)
         elif method == "cacheblend":
-            picked: list[Tensor] = []
-
-            def choose(fresh: Tensor, cached: Tensor) -> Tensor:  # HKVD tokens by value deviation; question kept
-                picked.append(((fresh[:, :n_docs] - cached[:, :n_docs]) ** 2).sum((0, 2)).topk(k).indices)
-                keep = torch.zeros(fresh.shape[1], dtype=torch.bool, device=device)
-                keep[picked[0]], keep[n_docs:] = True, True
-                return keep
-
-            logits, counts, _ = _run(lm, kv, positions, ids, torch.cat([doc_slots, q_slots]), check_layer, choose)
-            selected = doc_slots[picked[0]].sort().values
+            active = torch.cat([doc_slots, q_slots])
+            choose = DeviationChoice(active < len(head) + n_docs, k)  # the question is always computed
+            logits, counts, _ = _run(lm, kv, positions, ids, active, check_layer, choose)
+            selected = active[choose.picked].sort().values
         else:
             selected = doc_slots[scores.topk(k).indices].sort().values
             logits, counts, _ = _run(lm, kv, positions, ids, torch.cat([selected, q_slots]))
