@@ -17,9 +17,9 @@ as token recycling stores it), and a variant of that document with the same ques
 first two moved to the end), a few words changed (one word in twelve replaced by a word of another abstract), or a
 sentence inserted at its start. The variant is answered cold (one forward, no store), by token recycling
 (`prefill_semantic`: the common token prefix, here the chat template's head and whatever precedes the first change)
-and by semshare at each recompute ratio; per pair (OUT/semshare.jsonl): tokens reused, TTFT (until the first token's
+and by semshare at each recompute ratio; per pair (OUT/semshare-MODEL.jsonl): tokens reused, TTFT (until the first token's
 logits, lookup and loads included), the compute share in token-layers, and the first `answer_tokens` greedy tokens
-against the cold ones (equal or not, ROUGE-L F1 and token F1). The summary (OUT/semshare_summary.json) gives per
+against the cold ones (equal or not, ROUGE-L F1 and token F1). The summary (OUT/semshare-MODEL.json) gives per
 method and variant kind the median TTFT speedup over cold with a bootstrap CI (the pairs' own ratios) and the quality
 means with 95% bootstrap CIs, and semshare's paired difference to recycling.
 """
@@ -217,8 +217,8 @@ def token_f1(candidate: str, reference: str) -> float:
 def run_similar(lm, n: int = 24, out: Path = Path("results/reuse"), ratios=(0.15, 0.3), chunk_size: int = 256,
                 embedder="minilm", answer_tokens: int = 32, threads: int | None = 1, seed: int = 0,
                 raw_prompt: bool = False, log=print) -> dict:
-    """Run the similar-prompt scenario (see the module doc); writes OUT/semshare.jsonl (replaced) and returns the
-    summary (also OUT/semshare_summary.json)."""
+    """Run the similar-prompt scenario (see the module doc); writes OUT/semshare-MODEL.jsonl (replaced) and returns
+    the summary (also OUT/semshare-MODEL.json)."""
     from kvmem.reuse.semshare import prefill_semshare
 
     if n < 1:
@@ -227,10 +227,13 @@ def run_similar(lm, n: int = 24, out: Path = Path("results/reuse"), ratios=(0.15
         torch.set_num_threads(threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "semshare.jsonl"
+    path = out / f"semshare-{lm.name}.jsonl"
     path.write_text("")
     index = SemanticIndex(ChunkStore("memory?max=64GiB", chunk_size=chunk_size), embedder)
     new = lambda: KVCache(lm.model.config)  # noqa: E731
+    warm = build_prompt(lm.tokenizer, load_abstracts()[0], QUESTIONS[0][0], raw=raw_prompt).ids
+    index.embed(lm, warm)  # the embedder loads (and the first forwards run) before anything is timed
+    prefill(lm, new(), warm, None)
     records = []
     for i in range(n):
         kind = VARIANTS[i % len(VARIANTS)]
@@ -282,7 +285,7 @@ def run_similar(lm, n: int = 24, out: Path = Path("results/reuse"), ratios=(0.15
             f"{'=' if t == cold_tokens else 'rouge ' + format(rouge_l(x, cold_text), '.2f')}"
             for name, (s, r, x, t) in runs.items() if name != "cold"))
     summary = summarize_similar(records)
-    (out / "semshare_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / f"semshare-{lm.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
