@@ -133,8 +133,10 @@ def generate(
         index.save()
     console.print(a.text.strip(), highlight=False)
     if a.reuse is not None:
-        console.print(f"[dim]store {', '.join(t.name for t in chunks.tiers)} ({chunks.codec.spec}): {a.reuse.summary()}[/dim]",
-                      highlight=False)
+        from rich.markup import escape  # the summary's own brackets are text, not markup
+
+        console.print(f"[dim]store {', '.join(t.name for t in chunks.tiers)} ({chunks.codec.spec}): "
+                      f"{escape(a.reuse.summary())}[/dim]", highlight=False)
     console.print(f"[dim]KV held {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
                   f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}"
                   f"{f', quantized {quant}' if quant else ''}[/dim]", highlight=False)

@@ -26,7 +26,7 @@ Per prompt (the target):
    little: a reordered or reworded document keeps most of its tokens matched.
 4. **Placement**: a matched token gets its reference token's key and value, the key re-rotated from the reference
    position to its own (`kvmem.rope.move`).
-5. **Selective recompute** (CacheBlend's machinery, `kvmem.reuse.blend`): every token after the exact prefix goes
+5. **Selective recompute** (CacheBlend's machinery, `kvmem.reuse.recompute`, which `blend.py` runs too): every token after the exact prefix goes
    through the layers before `check_layer`; there, of the matched tokens, the `recompute_ratio` whose fresh values
    deviate most from the placed ones go on through every later layer with the unmatched tokens and the question
    (from `always_from` on, always computed); the others keep the placed rows. The paper's observation that
@@ -48,7 +48,7 @@ from torch import Tensor
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem.reuse.blend import DeviationChoice, _empty_kv, _run, _to_cache
+from kvmem.reuse.recompute import DeviationChoice, empty_kv, run_layers, to_cache
 from kvmem.reuse.semantic import SemanticReport, _entry_pieces, prefill_semantic
 from kvmem.reuse.semantic_index import Match, SemanticIndex, check_ids
 from kvmem.rope import move, rope_frequencies, rotate
@@ -198,7 +198,7 @@ def prefill_semshare(lm, ids: list[int], index: SemanticIndex, recompute_ratio: 
     else:
         matched = torch.zeros(0, dtype=torch.long)
     n, device = len(ids), lm.model.device
-    kv, positions = _empty_kv(lm, n), torch.arange(n, device=device)
+    kv, positions = empty_kv(lm, n), torch.arange(n, device=device)
     targets = exact + (matched >= 0).nonzero().flatten()  # target positions with a match
     sources = matched[matched >= 0]  # their reference positions
     for layer, ((keys, values), (ref_k, ref_v)) in enumerate(zip(kv, reference)):
@@ -212,8 +212,8 @@ def prefill_semshare(lm, ids: list[int], index: SemanticIndex, recompute_ratio: 
     recompute = round(recompute_ratio * len(targets))
     t = time.perf_counter()
     choose = DeviationChoice(candidates, recompute)
-    logits, counts, _ = _run(lm, kv, positions, torch.tensor(ids, device=device), active, check_layer, choose)
-    cache = _to_cache(lm, kv, positions)
+    logits, counts, _ = run_layers(lm, kv, positions, torch.tensor(ids, device=device), active, check_layer, choose)
+    cache = to_cache(lm, kv, positions)
     report.prefill_s = time.perf_counter() - t
     report.path, report.match_key, report.match_score = "semshare", match.key, match.score
     report.reference_tokens, report.exact_tokens, report.candidate_tokens = len(ref_ids), exact, match.common
