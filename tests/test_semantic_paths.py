@@ -87,6 +87,18 @@ def test_the_server_reuses_semantically_per_request(server):
     cold = ask(client, MOVED, "What is proposed?", "prefix", use_store=False, fill_store=False)
     full = ask(client, MOVED, "What is proposed?", "semshare", recompute_ratio=1.0)
     assert full.choices[0].message.content == cold.choices[0].message.content  # every aligned token recomputed
-    completion = client.completions.create(model=MODEL, prompt=DOC + " In short,", max_tokens=4, temperature=0,
-                                           extra_body={"kvmem": {"reuse": "semantic"}})
-    assert completion.usage.prompt_tokens_details.cached_tokens > 0  # DOC's tokens, remembered by the requests above?
+    complete = lambda end: client.completions.create(  # noqa: E731
+        model=MODEL, prompt=DOC + end, max_tokens=4, temperature=0, extra_body={"kvmem": {"reuse": "semantic"}})
+    assert complete(" In short,").usage.prompt_tokens_details.cached_tokens == 0  # no chat template: nothing shared
+    assert complete(" In brief,").usage.prompt_tokens_details.cached_tokens > 100  # DOC's tokens, to the token
+
+
+@pytest.mark.parametrize("kvmem, words", [
+    ({"reuse": "semantic", "method": "snapkv", "keep_ratio": 0.5}, "plain rows"),
+    ({"reuse": "semshare", "quant": "kivi-4"}, "plain rows"),
+    ({"reuse": "semantically"}, "unknown reuse mode"),
+])
+def test_the_server_refuses_semantic_reuse_it_cannot_do(server, kvmem, words):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "kvmem": kvmem}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and words in r.json()["error"]["message"] and r.json()["error"]["param"] == "kvmem.reuse"

@@ -214,7 +214,8 @@ def similar_section(out: Path) -> list[str]:
                   "recomputes the given share of them. Speedup: the median over pairs of cold TTFT / TTFT (one thread, "
                   "lookup and loads included) with a bootstrap CI; quality: the first 32 greedy tokens against the cold "
                   "answer's (exact match rate, ROUGE-L F1, token F1; means with 95% bootstrap CIs, stratified by "
-                  "variant). Records: `" + path.name.replace(".json", ".jsonl") + "`.", "",
+                  "variant). Records: `" + path.name.replace(".json", ".jsonl") + "`; reproduce: `kvmem eval --suite reuse --parts "
+                  f"semshare --models {m['model']}` (`kvmem_bench/reuse/semantic.py`, `run_similar`).", "",
                   "| method | variant | tokens reused (of) | token-layers computed | TTFT speedup | exact match | ROUGE-L | "
                   "token F1 |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
