@@ -63,7 +63,7 @@ def test_generate_refuses_semantic_reuse_it_cannot_do(args, words):
 
 @pytest.fixture(scope="module")
 def server():
-    with LocalServer(["--store", "memory", "--threads", "1", "--queue", "2"]) as s:
+    with LocalServer(["--store", "memory", "--threads", "1", "--queue", "2"], startup_s=300) as s:
         yield s
 
 
