@@ -41,3 +41,26 @@ def test_bad_settings_are_named():
                           (dict(codecs=["quant:kivi-8"]), "needs the raw codec"), (dict(parts=("speed",)), "unknown reuse part")):
         with pytest.raises(KVMemError, match=match):
             ReuseConfig(models=["smollm2-135m"], **kwargs).validate()
+
+
+def test_similar_scenario_helpers():
+    """The semshare scenario's quality measures and prompt variants (kvmem_bench.reuse.semantic)."""
+    from kvmem_bench.reuse.semantic import rouge_l, summarize_similar, token_f1, variant
+
+    assert rouge_l("a b c d", "a b c d") == 1.0 and rouge_l("a b", "c d") == 0.0
+    assert abs(rouge_l("a x b c", "a b c y") - 0.75) < 1e-9  # LCS a b c: 2 * 3 / (4 + 4)
+    assert abs(token_f1("the cat the", "the dog") - 0.4) < 1e-9  # one shared "the": 2 * 1 / (3 + 2)
+    doc = "One two. Three four. Five six. Seven eight"
+    assert variant(doc, "reordered", 0) == "Five six. Seven eight. One two. Three four"
+    assert variant(doc, "sentence inserted", 0).endswith(doc)
+    long = " ".join(f"w{i}" for i in range(36))
+    changed = variant(long, "words changed", 0).split()
+    assert len(changed) == 36 and 1 <= sum(a != b for a, b in zip(changed, long.split())) <= 3  # one word in twelve
+    records = [dict(pair=p, model="m", embedder="e", variant="reordered", method=m, prompt_tokens=10, reused_tokens=r,
+                    compute_fraction=1.0, speedup=s, ttft_s=1.0, exact=e, rouge_l=q, token_f1=q)
+               for p in range(3) for m, r, s, e, q in (("cold", 0, 1.0, True, 1.0), ("recycling", 2, 0.9, True, 1.0),
+                                                       ("semshare@0.15", 6, 1.5, False, 0.5))]
+    rows = {(r["method"], r["variant"]): r for r in summarize_similar(records)["rows"]}
+    mine = rows[("semshare@0.15", "all")]
+    assert mine["reused_tokens"] == 6 and mine["exact"][0] == 0.0 and mine["rouge_l_vs_recycling"][0] == -0.5
+    assert mine["speedup"][0] == 1.5 and rows[("recycling", "all")]["rouge_l"][0] == 1.0

@@ -76,7 +76,7 @@ def eval_(
     eval_settings: str = typer.Option("agnostic,aware", "--settings", help="longctx: comma-separated settings, agnostic and/or aware (the latter doubles a sample's cost)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
     cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
-    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic; serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
+    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic, semshare (SemShareKV vs token recycling; not in the default); serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens); longgen: streaming perplexity texts."),
     every: int = typer.Option(1, help="longgen: decoded tokens between re-compressions (Compressor's every=N)."),
     extra_rows: int = typer.Option(64, help="longgen: rows a head may hold beyond what it kept of the prompt (Compressor's extra_rows)."),
@@ -125,12 +125,12 @@ def eval_(
         console.print(f"report: {path / 'report.md'}")
         return
     if suite == "reuse":
-        from kvmem_bench.reuse.runner import DEFAULT_CODECS, ReuseConfig, run_reuse
+        from kvmem_bench.reuse.runner import DEFAULT_CODECS, PARTS, ReuseConfig, run_reuse
 
-        chosen = [p for p in _csv(parts) if p in ("ttft", "tasks", "semantic")]
+        chosen = [p for p in _csv(parts) if p in PARTS]
         cfg = ReuseConfig(models=_csv(models), lengths=_csv(lengths, int), codecs=_csv(codecs) if codecs else list(DEFAULT_CODECS),
                           out=out or Path("results/reuse"), threads=threads, task_samples=samples,
-                          parts=tuple(chosen or ("ttft", "tasks", "semantic")))
+                          parts=tuple(chosen or ("ttft", "tasks", "semantic")))  # semshare: only when asked
         path = run_reuse(cfg, log=console.print)
         console.print(f"report: {path}")
         return

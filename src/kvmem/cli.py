@@ -93,26 +93,50 @@ def generate(
     codec: str = typer.Option("raw", help="How the store encodes chunks: raw, quant:<scheme> (e.g. quant:kivi-8), cachegen."),
     chunk_size: int = typer.Option(256, help="Tokens per stored chunk."),
     store_write: str = typer.Option("through", help="Store writes: through (every tier) or memory (the first tier only)."),
+    reuse: str = typer.Option("prefix", help="With --store: prefix (the longest stored prefix, in chunks), semantic (the "
+                              "remembered prompt nearest by embedding, to the token) or semshare (a similar prompt's KV "
+                              "aligned token by token, some recomputed); semantic/semshare need --semantic-index and "
+                              "--method full --keep-ratio 1."),
+    semantic_index: Optional[Path] = typer.Option(None, help="With --reuse semantic/semshare: the file of remembered "
+                                                  "prompts (read if there, written after the run)."),
+    semantic_embedder: str = typer.Option("minilm", help="How the semantic index embeds prompts (a kvmem.embed method)."),
+    recompute_ratio: float = typer.Option(0.15, help="--reuse semshare: share of the aligned tokens recomputed."),
 ) -> None:
     """Read a context, compress its KV cache, answer the prompt; prints the answer and the memory held. With
     --store, computed KV is kept and a later run on the same context reuses it (and says how much)."""
-    from kvmem.generate import answer
+    from kvmem.generate import REUSE, answer, check_reuse
     from kvmem.models import load_model
 
     _check_cache_options(method, keep_ratio, quant)  # fail on a bad option before loading anything
-    chunks = None
+    chunks = index = None
+    if reuse not in REUSE:
+        raise KVMemError(f"--reuse {reuse}: choose from {', '.join(REUSE)}")
+    if reuse != "prefix" and not (store and semantic_index):
+        raise KVMemError(f"--reuse {reuse} needs --store (where the KV is kept) and --semantic-index (where the "
+                         "remembered prompts are kept between runs)")
     if store:
         from kvmem.store import ChunkStore
 
         chunks = ChunkStore(store, codec, chunk_size, store_write)  # a bad tier, codec or size fails before the model loads
+    if reuse != "prefix":
+        from kvmem.reuse.semantic_index import SemanticIndex
+
+        if not 0.0 <= recompute_ratio <= 1.0:
+            raise KVMemError(f"--recompute-ratio must be in [0, 1]; got {recompute_ratio}")
+        index = SemanticIndex(chunks, semantic_embedder, path=semantic_index)
+        check_reuse(reuse, index, chunks, method, keep_ratio, quant)
     context = context_file.read_text() if context_file else ""
     lm = load_model(model)
     a = answer(lm, context, prompt, method, keep_ratio, query_aware, max_new_tokens, raw_prompt=raw_prompt, quant=quant,
-               store=chunks)
+               store=chunks, reuse=reuse, index=index, recompute_ratio=recompute_ratio)
+    if index is not None:
+        index.save()
     console.print(a.text.strip(), highlight=False)
     if a.reuse is not None:
-        console.print(f"[dim]store {', '.join(t.name for t in chunks.tiers)} ({chunks.codec.spec}): {a.reuse.summary()}[/dim]",
-                      highlight=False)
+        from rich.markup import escape  # the summary's own brackets are text, not markup
+
+        console.print(f"[dim]store {', '.join(t.name for t in chunks.tiers)} ({chunks.codec.spec}): "
+                      f"{escape(a.reuse.summary())}[/dim]", highlight=False)
     console.print(f"[dim]KV held {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
                   f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}"
                   f"{f', quantized {quant}' if quant else ''}[/dim]", highlight=False)
@@ -228,6 +252,15 @@ def serve(
     max_tokens: int = typer.Option(256, help="Completion tokens when a chat request gives no max_tokens."),
     max_n: int = typer.Option(4, help="Most choices (n) per request."),
     embed_method: str = typer.Option("prompteol", help="Embedding method for /v1/embeddings with the model's name (kvmem.embed spec)."),
+    reuse: str = typer.Option("prefix", help="Default reuse of stored KV (a request's kvmem.reuse overrides it): prefix, "
+                              "semantic (token recycling through the semantic index) or semshare (a similar prompt's KV "
+                              "aligned token by token); semantic and semshare need --store."),
+    semantic_index: Optional[Path] = typer.Option(None, help="With --store: the file of the semantic index's remembered "
+                                                  "prompts (read at start, written at shutdown); without it the index "
+                                                  "lives in memory."),
+    semantic_embedder: str = typer.Option("minilm", help="How the semantic index embeds prompts (a kvmem.embed method)."),
+    recompute_ratio: float = typer.Option(0.15, help="Default share of reused tokens recomputed (semshare, cacheblend, "
+                                          "infoflow)."),
     log_level: str = typer.Option("info", help="uvicorn's log level."),
     api_key: Optional[str] = typer.Option(None, envvar="KVMEM_API_KEY", help="Require 'Authorization: Bearer KEY' on "
                                           "/v1/* (401 otherwise); /health and /metrics stay open."),
@@ -247,13 +280,24 @@ def serve(
     from kvmem.serve.app import create_app
     from kvmem.serve.engine import Options
 
+    from kvmem.serve.engine import REUSE_MODES, SEMANTIC_MODES
+
     _check_cache_options(method, keep_ratio, quant)
     parse_method(embed_method)
-    chunks = None
+    if reuse not in REUSE_MODES or reuse in ("cacheblend", "infoflow"):
+        raise KVMemError(f"--reuse {reuse}: choose from prefix, {', '.join(SEMANTIC_MODES)} (cacheblend and infoflow are "
+                         "per request, with documents)")
+    if not 0.0 <= recompute_ratio <= 1.0:
+        raise KVMemError(f"--recompute-ratio must be in [0, 1]; got {recompute_ratio}")
+    chunks = index = None
     if store:
+        from kvmem.reuse.semantic_index import SemanticIndex
         from kvmem.store import ChunkStore
 
         chunks = ChunkStore(store, codec, chunk_size, store_write)
+        index = SemanticIndex(chunks, semantic_embedder, path=semantic_index)
+    elif reuse != "prefix" or semantic_index:
+        raise KVMemError(f"--reuse {reuse} / --semantic-index need --store (where the remembered prompts' KV is kept)")
     if threads:
         torch.set_num_threads(threads)
     budget = _kv_budget(kv_budget) if batching else None
@@ -262,9 +306,10 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise KVMemError("--api-key (or KVMEM_API_KEY) is empty; give a key or leave it out")
     lm = load_model(model)
-    app_ = create_app(lm, chunks, Options(method=method, keep_ratio=keep_ratio, quant=quant), workers, queue, timeout,
+    app_ = create_app(lm, chunks, Options(method=method, keep_ratio=keep_ratio, quant=quant, reuse=reuse,
+                                          recompute_ratio=recompute_ratio), workers, queue, timeout,
                       max_tokens, max_n, embed_method, budget, max_batch, api_key,
-                      _csv(cors_origins) if cors_origins else None)
+                      _csv(cors_origins) if cors_origins else None, index)
     if access_log:
         import logging
 

@@ -147,6 +147,9 @@ def answer(
     answer_prefix: str = "",
     quant: str | None = None,
     store=None,
+    reuse: str = "prefix",
+    index=None,
+    recompute_ratio: float = 0.15,
 ) -> Answer:
     """Read `context`, compress its KV with `method` (a name or spec, e.g. `kvzip` or `snapkv:budget=adaptive`),
     then answer `question` (the one-call API).
@@ -158,9 +161,15 @@ def answer(
     `kvmem.store.ChunkStore`) keeps computed KV across calls (`kvmem.reuse.prefix`): the longest stored prefix
     of the prompt is loaded, not recomputed; a context compressed before its question is stored compressed
     and reused whole. `Answer.reuse` says what was reused.
+
+    `reuse`: `prefix` (the above), or, with `index` (a `kvmem.reuse.semantic_index.SemanticIndex` over the store),
+    `semantic` (token recycling: the remembered prompt nearest by embedding, reused as far as its tokens agree,
+    `kvmem.reuse.semantic`) or `semshare` (a similar prompt's KV aligned token by token, `recompute_ratio` of the
+    matched tokens recomputed, `kvmem.reuse.semshare`). Both read and store plain rows: no method, no quant.
     """
     prompt = build_prompt(lm.tokenizer, context, question, answer_prefix, raw=raw_prompt)
-    p = prepare(lm, prompt, method, keep_ratio, query_aware, quant, store)
+    p = prepare(lm, prompt, method, keep_ratio, query_aware, quant, store, reuse=reuse, index=index,
+                recompute_ratio=recompute_ratio)
     tokens = decode(lm, p.cache, p.logits, max_new_tokens)
     # an offloaded cache's working set fills as it retrieves: its bytes at their peak count as held
     return Answer(lm.tokenizer.decode(tokens), tokens, p.kv_bytes + p.cache.retrieved_peak_bytes(), p.kv_bytes_full,
@@ -178,14 +187,41 @@ class Prepared:
     reuse: object = None  # a kvmem.reuse.ReuseReport when a store was used
 
 
+REUSE = ("prefix", "semantic", "semshare")  # how `prepare` reads stored KV (the server adds cacheblend, infoflow)
+
+
+def check_reuse(reuse: str, index, store, method: str, keep_ratio: float, quant: str | None):
+    """The store a `semantic` / `semshare` prefill uses (`store`, a policy view of the index's, or the index's own);
+    refuses what cannot go together."""
+    from kvmem.reuse.semantic_index import SemanticIndex
+
+    if reuse not in REUSE:
+        raise KVMemError(f"unknown reuse mode {reuse!r}; choose from {', '.join(REUSE)}")
+    if reuse == "prefix":
+        return store
+    if not isinstance(index, SemanticIndex):
+        raise KVMemError(f"reuse={reuse} looks prompts up in a semantic index: pass index=SemanticIndex(store, ...)")
+    if get_method(method).name != "full" or keep_ratio < 1.0 or quant:
+        raise KVMemError(f"reuse={reuse} reads and stores plain rows (an exact or aligned prefix of another prompt): no "
+                         "compression method or quantization; use reuse=prefix with a method")
+    if store is not None and store.tiers is not index.store.tiers:
+        raise KVMemError(f"reuse={reuse}: the store given is not the semantic index's store")
+    return index.store if store is None else store
+
+
 def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: float = 1.0, query_aware: bool = False,
-            quant: str | None = None, store=None, interrupt=None) -> Prepared:
+            quant: str | None = None, store=None, interrupt=None, reuse: str = "prefix", index=None,
+            recompute_ratio: float = 0.15) -> Prepared:
     """Prefill `prompt` into a new cache and compress its context with `method` (`answer` without the decoding;
     the server decodes with its own sampling). A prompt whose context is the template head alone has nothing to
     compress: it is read as it is. The cache comes back without scorer observations (none is planned after this),
     except for a decode-phase method (moment-kv): the prompt is kept whole and the cache evicts generated rows at every
     decoding step (`compress_while_decoding`; `query_aware` changes nothing there). With `interrupt` (the server's
-    cancelled requests), the prefill runs in pieces and `interrupt()` is called before each; it raises to stop."""
+    cancelled requests), the prefill runs in pieces and `interrupt()` is called before each; it raises to stop.
+    `reuse`, `index`, `recompute_ratio`: see `answer` (semantic / semshare: the prompt is read whole, uncompressed)."""
+    store = check_reuse(reuse, index, store, method, keep_ratio, quant)
+    if reuse != "prefix":
+        return _prepare_semantic(lm, prompt, reuse, index, store, recompute_ratio, interrupt)
     m = get_method(method)
     ctx, q = prompt.context, prompt.question
     has_document = len(ctx) > prompt.head
@@ -217,6 +253,23 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
     cache.drop_observations()
     logits = feed(lm, cache, q[-1:] if query_aware else q)
     return Prepared(cache, logits, full_bytes, kept)
+
+
+def _prepare_semantic(lm: LoadedModel, prompt: Prompt, reuse: str, index, store, recompute_ratio: float,
+                      interrupt=None) -> Prepared:
+    """The prompt read by token recycling (`semantic`) or SemShareKV (`semshare`) into a plain cache."""
+    ids = prompt.context + prompt.question
+    if reuse == "semantic":
+        from kvmem.reuse.semantic import prefill_semantic
+
+        cache = KVCache(lm.model.config)
+        logits, report = prefill_semantic(lm, cache, ids, index, store=store, interrupt=interrupt)
+    else:
+        from kvmem.reuse.semshare import prefill_semshare
+
+        cache, logits, report = prefill_semshare(lm, ids, index, recompute_ratio, always_from=len(prompt.context),
+                                                 store=store, interrupt=interrupt)
+    return Prepared(cache, logits, cache.kv_bytes(), cache.kv_bytes(), report)
 
 
 def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: float, query_aware: bool,

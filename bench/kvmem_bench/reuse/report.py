@@ -158,6 +158,7 @@ def write_report(out: Path) -> Path:
                   f"{m['ttft_semantic_s']:.3f} ({m['speedup_semantic']:.1f}×; lookup {m['lookup_s']:.3f}) |",
                   f"| greedy answers equal to cold | | {m['chunk_answer_equal']:.0%} | {m['semantic_answer_equal']:.0%} |",
                   f"| largest logit difference to cold | | {m['max_logit_diff_chunk']:.1e} | {m['max_logit_diff_semantic']:.1e} |"]
+    lines += similar_section(out)
     lines += ["", "## Goals", ""]
     for m, n in sorted({(r["model"], r["length"]) for r in summary["cold"]}):
         best = {t: max(((r["speedup"], r["codec"]) for r in summary["warm"] if (r["model"], r["length"], r["tier"]) == (m, n, t)),
@@ -192,6 +193,45 @@ def write_report(out: Path) -> Path:
         lines += ["", "![reuse](reuse.png)"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
+
+
+def _ci(x: list[float], fmt: str = ".2f") -> str:
+    return f"{x[0]:{fmt}} [{x[1]:{fmt}}, {x[2]:{fmt}}]"
+
+
+def similar_section(out: Path) -> list[str]:
+    """SemShareKV against token recycling on similar prompt pairs (OUT/semshare-MODEL.json, `run_similar`)."""
+    lines = []
+    for path in sorted(out.glob("semshare-*.json")):
+        m = json.loads(path.read_text())
+        rows = [r for r in m["rows"] if r["method"] != "cold"]
+        lines += ["", f"## Similar prompts: SemShareKV against token recycling ({m['pairs']} pairs, {m['model']}, "
+                      f"embedder {m['embedder']})", "",
+                  "A document with a question is remembered; the same document reordered (its first two sentences "
+                  "moved to the end), with one word in twelve replaced, or with a sentence inserted at its start arrives "
+                  "with the same question. Token recycling reuses the common token prefix (the chat template's head); "
+                  "semshare aligns the tokens to the remembered prompt's by LSH on RoPE-rotated embeddings and "
+                  "recomputes the given share of them. Speedup: the median over pairs of cold TTFT / TTFT (one thread, "
+                  "lookup and loads included) with a bootstrap CI; quality: the first 32 greedy tokens against the cold "
+                  "answer's (exact match rate, ROUGE-L F1, token F1; means with 95% bootstrap CIs, stratified by "
+                  "variant). Records: `" + path.name.replace(".json", ".jsonl") + "`; reproduce: `kvmem eval --suite reuse --parts "
+                  f"semshare --models {m['model']}` (`kvmem_bench/reuse/semantic.py`, `run_similar`).", "",
+                  "| method | variant | tokens reused (of) | token-layers computed | TTFT speedup | exact match | ROUGE-L | "
+                  "token F1 |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['method']} | {r['variant']} ({r['pairs']}) | {r['reused_tokens']:.0f} ({r['prompt_tokens']:.0f}) | "
+                         f"{r['compute_fraction']:.0%} | {_ci(r['speedup'])}× | {_ci(r['exact'])} | {_ci(r['rouge_l'])} | "
+                         f"{_ci(r['token_f1'])} |")
+        diffs = [r for r in rows if r["variant"] == "all" and "rouge_l_vs_recycling" in r]
+        if diffs:
+            lines += ["", "Paired against token recycling on the same pairs (all variants; significant when the CI "
+                          "excludes 0):", ""]
+            for r in diffs:
+                d, t, s = r["rouge_l_vs_recycling"], r["reused_tokens_vs_recycling"], r["speedup_vs_recycling"]
+                lines.append(f"- {r['method']}: tokens reused {t[0]:+.0f} [{t[1]:+.0f}, {t[2]:+.0f}], speedup "
+                             f"{s[0]:+.2f} [{s[1]:+.2f}, {s[2]:+.2f}], ROUGE-L {d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}]"
+                             f" ({'significant' if d[1] > 0 or d[2] < 0 else 'not significant'})")
+    return lines
 
 
 README_MARKERS = ("<!-- reuse: regenerated from results/reuse/report.md by `make bench-reuse` -->", "<!-- /reuse -->")

@@ -14,6 +14,8 @@ A prompt of `length` tokens is a document (`length` - 64 tokens) and a question.
   `repeats` runs, broken down into read / decode / import / prefill. Disk is read with the OS page cache
   dropped first where the process may (root), so it reads the device; the record says which.
 * `semantic`: semantic lookup with token verification against exact chunk reuse (`kvmem_bench/reuse/semantic.py`).
+* `semshare`: SemShareKV against token recycling on semantically similar, not token-identical prompt pairs
+  (`kvmem_bench/reuse/semantic.py`, `run_similar`), every model.
 * `quality`: per codec, Delta-ppl (paired block bootstrap CI) of a held-out continuation fed on top of the
   decoded prefix against the raw one. `tasks` (optional): the long-context suite's samples answered from a
   prefix stored with each codec, scored as the main report scores them.
@@ -47,6 +49,9 @@ DEFAULT_CODECS = ["raw", "quant:kivi-8", "quant:kivi-4", "quant:kivi-2", "cacheg
 TIERS = ["memory", "disk", "redis"]
 
 
+PARTS = ("ttft", "tasks", "semantic", "semshare")
+
+
 @dataclass
 class ReuseConfig:
     models: list[str]
@@ -60,6 +65,7 @@ class ReuseConfig:
     threads: int = 1
     parts: tuple[str, ...] = ("ttft", "tasks", "semantic")
     semantic_pairs: int = 20  # pairs of prompts in the semantic-lookup part (kvmem_bench/reuse/semantic.py), first model only
+    similar_pairs: int = 24  # pairs of similar prompts in the semshare part, per model
     task_samples: int = 10  # per usable long-context task, answered from a prefix stored with each codec
     task_length: int = 2048
     bench: Path = Path("results/longctx")  # the suite whose usable tasks are used
@@ -71,8 +77,8 @@ class ReuseConfig:
             get_codec(c)
         if unknown := set(self.tiers) - set(TIERS):
             raise KVMemError(f"unknown tier(s) {sorted(unknown)}; the benchmark times {', '.join(TIERS)}")
-        if unknown := set(self.parts) - {"ttft", "tasks", "semantic"}:
-            raise KVMemError(f"unknown reuse part(s) {sorted(unknown)}; the parts are ttft, tasks, semantic")
+        if unknown := set(self.parts) - set(PARTS):
+            raise KVMemError(f"unknown reuse part(s) {sorted(unknown)}; the parts are {', '.join(PARTS)}")
         if "raw" not in self.codecs:
             raise KVMemError("the reuse benchmark needs the raw codec (the reference for every lossy one)")
 
@@ -265,6 +271,11 @@ def run_reuse(cfg: ReuseConfig, log=print) -> Path:
 
                 run_semantic(lm, n=cfg.semantic_pairs, out=cfg.out, chunk_size=cfg.chunk_size,
                              threads=cfg.threads or torch.get_num_threads())
+            if "semshare" in cfg.parts and not (cfg.out / f"semshare-{lm.name}.json").exists():
+                from kvmem_bench.reuse.semantic import run_similar
+
+                run_similar(lm, n=cfg.similar_pairs, out=cfg.out, chunk_size=cfg.chunk_size,
+                            threads=cfg.threads or torch.get_num_threads(), log=log)
     finally:
         if server is not None:
             server.kill()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -45,11 +44,11 @@ from kvmem.errors import KVMemError
 from kvmem.forward import feed
 from kvmem.generate import decode
 from kvmem.models import LoadedModel
+from kvmem.reuse.recompute import KV, DeviationChoice, empty_kv, run_layers, text_config, to_cache
 from kvmem.rope import move, rope_frequencies
 from kvmem.rows import ExportedRows
 
 METHODS = ("none", "full", "cacheblend", "infoflow")
-KV = list[tuple[Tensor, Tensor]]  # per layer keys and values (KV heads, slots, head_dim), one slot per prompt token
 
 
 @dataclass
@@ -86,67 +85,6 @@ class BlendResult:
         return self.token_layers / self.full_token_layers
 
 
-class _Slots:
-    """One layer's K/V of every prompt slot, read by transformers' attention as its cache: the tokens run now
-    write their fresh K/V into their slots (`choose` may keep only some) and attention reads all slots. With
-    `observe`, it is also kvmem attention's callback (`kvmem_layer`) and keeps the queries."""
-
-    def __init__(self, keys: Tensor, values: Tensor, active: Tensor, choose=None, observe: bool = False):
-        self.keys, self.values, self.active, self.choose, self.watch = keys, values, active, choose, observe
-        self.kept: Tensor | None = None
-        self.query: tuple[Tensor, float] | None = None
-        self.observation = SimpleNamespace(track_attention=False)
-
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, kwargs: dict | None = None, **_):
-        k, v, slots = key_states[0], value_states[0], self.active
-        if self.choose is not None:
-            self.kept = self.choose(v, self.values[:, slots])
-            k, v, slots = k[:, self.kept], v[:, self.kept], slots[self.kept]
-        self.keys[:, slots], self.values[:, slots] = k, v
-        if self.watch and kwargs is not None:
-            kwargs["kvmem_layer"] = self
-        return self.keys[None], self.values[None]
-
-    def observe(self, query: Tensor, scaling: float) -> None:
-        self.query = (query[0], scaling)
-
-
-def _text(lm: LoadedModel):  # the decoder's config
-    return lm.model.config.get_text_config()
-
-
-def _empty_kv(lm: LoadedModel, n: int) -> KV:
-    cfg, p = _text(lm), next(lm.model.parameters())
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = (cfg.num_key_value_heads, n, dim)
-    return [(p.new_zeros(shape), p.new_zeros(shape)) for _ in range(cfg.num_hidden_layers)]
-
-
-@torch.no_grad()
-def _run(lm: LoadedModel, kv: KV, positions: Tensor, ids: Tensor, active: Tensor, choose_at: int | None = None,
-         choose=None, observe: bool = False) -> tuple[Tensor, list[int], list]:
-    """Run the prompt slots `active` (increasing) through every decoder layer over the slot K/V `kv` (updated in
-    place); at layer `choose_at`, `choose(fresh values, cached values)` says which active tokens go on. Returns the
-    last active token's logits, the tokens computed per layer and (with `observe`) each layer's (queries, scaling)."""
-    model, types = lm.model.model, getattr(_text(lm), "layer_types", None)
-    h = model.embed_tokens(ids[active][None])
-    counts, queries = [], []
-    for i, layer in enumerate(model.layers):
-        slots = _Slots(*kv[i], active, choose if i == choose_at else None, observe)
-        pos = positions[active]
-        by_type = types is not None and hasattr(model.rotary_emb, f"{types[i]}_inv_freq")
-        rope = model.rotary_emb(h, pos[None], types[i]) if by_type else model.rotary_emb(h, pos[None])
-        mask = visible(positions[None], pos, getattr(layer.self_attn, "sliding_window", None))[None]
-        h = layer(h, attention_mask=mask, position_ids=pos[None], cache=slots, position_embeddings=rope)
-        counts.append(int(active.numel()))
-        queries.append(slots.query)
-        if slots.kept is not None:
-            h, active = h[:, slots.kept], active[slots.kept]
-    logits = lm.model.lm_head(model.norm(h[:, -1:]))[0, -1]
-    cap = getattr(_text(lm), "final_logit_softcapping", None)
-    return (torch.tanh(logits / cap) * cap if cap else logits), counts, queries
-
-
 @torch.no_grad()
 def precompute(lm: LoadedModel, doc_ids: list[int], head_ids: list[int] = ()) -> DocKV:
     """A document's KV computed on its own after `head_ids` (the shared template head): every layer's rows,
@@ -158,8 +96,8 @@ def precompute(lm: LoadedModel, doc_ids: list[int], head_ids: list[int] = ()) ->
         raise KVMemError(f"precompute: context too long: {len(head) + len(doc)} tokens > {lm.max_context} that "
                          f"{lm.name} allows")
     n, device = len(head) + len(doc), lm.model.device
-    kv, positions = _empty_kv(lm, n), torch.arange(n, device=device)
-    _run(lm, kv, positions, torch.tensor(head + doc, device=device), positions)
+    kv, positions = empty_kv(lm, n), torch.arange(n, device=device)
+    run_layers(lm, kv, positions, torch.tensor(head + doc, device=device), positions)
     layers = [ExportedRows([{"keys": k[h, len(head):].clone(), "values": v[h, len(head):].clone(),
                              "positions": positions[len(head):].to(torch.int32)} for h in range(k.shape[0])])
               for k, v in kv]
@@ -204,7 +142,7 @@ def _spans(n_head: int, docs: list[DocKV], order: list[int]) -> list[range]:
 def _assemble(lm: LoadedModel, head: list[int], head_kv: KV, docs: list[DocKV], order: list[int], question: list[int]):
     """Slot K/V of head + documents in `order` (keys moved to their new positions) + question (empty slots)."""
     n, device = len(head) + sum(len(d) for d in docs) + len(question), lm.model.device
-    kv, positions, spans = _empty_kv(lm, n), torch.arange(n, device=device), _spans(len(head), docs, order)
+    kv, positions, spans = empty_kv(lm, n), torch.arange(n, device=device), _spans(len(head), docs, order)
     for layer, (keys, values) in enumerate(kv):
         keys[:, :len(head)], values[:, :len(head)] = head_kv[layer]
         freq = rope_frequencies(lm.model, layer)
@@ -223,7 +161,7 @@ def _flow_scores(lm: LoadedModel, head: list[int], head_kv: KV, docs: list[DocKV
     kv, positions, ids, spans = _assemble(lm, head, head_kv, docs, order, question)
     doc_slots = torch.arange(spans[0].start, spans[-1].stop, device=positions.device)
     q_slots = torch.arange(spans[-1].stop, positions.numel(), device=positions.device)
-    _, _, queries = _run(lm, kv, positions, ids, q_slots, observe=True)
+    _, _, queries = run_layers(lm, kv, positions, ids, q_slots, observe=True)
     total = torch.zeros(doc_slots.numel(), device=positions.device)
     for layer, ((query, scaling), (keys, values)) in enumerate(zip(queries, kv)):
         attn = lm.model.model.layers[layer].self_attn
@@ -239,16 +177,6 @@ def _flow_scores(lm: LoadedModel, head: list[int], head_kv: KV, docs: list[DocKV
     return total / len(queries)
 
 
-def _to_cache(lm: LoadedModel, kv: KV, positions: Tensor) -> KVCache:
-    """A kvmem cache holding the slots: every row, or a sliding layer's last window - 1 (what it would hold)."""
-    cache, n = KVCache(lm.model.config), positions.numel()
-    for layer, (keys, values) in zip(cache.layers, kv):
-        keep = slice(max(n - layer.sliding_window + 1, 0) if layer.is_sliding else 0, n)
-        layer.import_rows(ExportedRows([{"keys": keys[h, keep], "values": values[h, keep],
-                                         "positions": positions[keep].to(torch.int32)} for h in range(keys.shape[0])]))
-    return cache
-
-
 def _check(lm: LoadedModel, head: list[int], docs: list[DocKV], question: list[int], method: str, ratio: float,
            max_new_tokens: int, check_layer: int) -> None:
     if method not in METHODS:
@@ -259,7 +187,7 @@ def _check(lm: LoadedModel, head: list[int], docs: list[DocKV], question: list[i
         raise KVMemError("assemble_and_answer needs at least one document, each with tokens")
     if not question:
         raise KVMemError("the question has no tokens")
-    n_layers = _text(lm).num_hidden_layers
+    n_layers = text_config(lm).num_hidden_layers
     for i, d in enumerate(docs):
         if d.head != head:
             raise KVMemError(f"document {i} was precomputed after another head ({len(d.head)} tokens), not this one")
@@ -283,7 +211,7 @@ def assemble_and_answer(lm: LoadedModel, head_ids: list[int], docs: list[DocKV],
     (the result's `logits` and `cache`). `answers` may stop decoding early (once all are in the answer)."""
     head, question = list(head_ids), list(question_ids)
     _check(lm, head, docs, question, method, recompute_ratio, max_new_tokens, check_layer)
-    t0, n_layers, device = time.perf_counter(), _text(lm).num_hidden_layers, lm.model.device
+    t0, n_layers, device = time.perf_counter(), text_config(lm).num_hidden_layers, lm.model.device
     n_docs, order, scoring = sum(len(d) for d in docs), list(range(len(docs))), 0
     if method == "full":
         cache = KVCache(lm.model.config)
@@ -293,9 +221,9 @@ def assemble_and_answer(lm: LoadedModel, head_ids: list[int], docs: list[DocKV],
         spans = _spans(len(head), docs, order)
         selected, counts = torch.arange(len(head), len(head) + n_docs), [n_docs + len(question)] * n_layers
     else:
-        head_kv = _empty_kv(lm, len(head))
+        head_kv = empty_kv(lm, len(head))
         if head:
-            _run(lm, head_kv, torch.arange(len(head), device=device), torch.tensor(head, device=device),
+            run_layers(lm, head_kv, torch.arange(len(head), device=device), torch.tensor(head, device=device),
                  torch.arange(len(head), device=device))
         if method == "infoflow":
             scores, scoring = _flow_scores(lm, head, head_kv, docs, order, question), n_layers * len(question)
@@ -309,22 +237,16 @@ def assemble_and_answer(lm: LoadedModel, head_ids: list[int], docs: list[DocKV],
         k = round(recompute_ratio * n_docs)
         if method == "none":
             selected = doc_slots[:0]
-            logits, counts, _ = _run(lm, kv, positions, ids, q_slots)
+            logits, counts, _ = run_layers(lm, kv, positions, ids, q_slots)
         elif method == "cacheblend":
-            picked: list[Tensor] = []
-
-            def choose(fresh: Tensor, cached: Tensor) -> Tensor:  # HKVD tokens by value deviation; question kept
-                picked.append(((fresh[:, :n_docs] - cached[:, :n_docs]) ** 2).sum((0, 2)).topk(k).indices)
-                keep = torch.zeros(fresh.shape[1], dtype=torch.bool, device=device)
-                keep[picked[0]], keep[n_docs:] = True, True
-                return keep
-
-            logits, counts, _ = _run(lm, kv, positions, ids, torch.cat([doc_slots, q_slots]), check_layer, choose)
-            selected = doc_slots[picked[0]].sort().values
+            active = torch.cat([doc_slots, q_slots])
+            choose = DeviationChoice(active < len(head) + n_docs, k)  # the question is always computed
+            logits, counts, _ = run_layers(lm, kv, positions, ids, active, check_layer, choose)
+            selected = active[choose.picked].sort().values
         else:
             selected = doc_slots[scores.topk(k).indices].sort().values
-            logits, counts, _ = _run(lm, kv, positions, ids, torch.cat([selected, q_slots]))
-        cache = _to_cache(lm, kv, positions)
+            logits, counts, _ = run_layers(lm, kv, positions, ids, torch.cat([selected, q_slots]))
+        cache = to_cache(lm, kv, positions)
     tokens = decode(lm, cache, logits, max_new_tokens, stop_at_newline, answers) if max_new_tokens > 0 else []
     return BlendResult(method, lm.tokenizer.decode(tokens) if tokens else "", tokens, cache, logits,
                        sum(counts) + scoring, n_layers * (n_docs + len(question)), counts, selected.cpu(), order, spans,

@@ -37,8 +37,9 @@ other pieces).
 The index (`VectorIndex` over USearch, exact inner product of normalised embeddings) keeps each prompt's token
 ids beside its vector; `save()` writes both (the index file at `path`, the ids at `path` + ".entries.json", each
 checksummed, the second naming the first's SHA-256); a missing, corrupt or mismatched pair (another embedder,
-tokenizer or dimension) is rebuilt empty with an `IndexWarning`, never trusted. Entries are not evicted with the
-store's pieces; `forget` removes one.
+tokenizer or dimension) is rebuilt empty with an `IndexWarning`, never trusted. Entries leave with the store's
+pieces (see `SemanticIndex`): a tier's eviction or a discarded corrupt piece drops the prompts that need it at the
+index's next use, and a proposed prompt whose piece turns out missing here is dropped at once; `forget` removes one.
 """
 
 from __future__ import annotations
@@ -104,9 +105,11 @@ def _visible(pieces: list[list[ExportedRows]], windows: list[int | None], end: i
     return True
 
 
-def _entry_pieces(store: ChunkStore, lm, match: Match, start_chunk: int, end: int, missed: set[str]) -> tuple[list, int]:
+def _entry_pieces(store: ChunkStore, lm, match: Match, start_chunk: int, end: int, missed: set[str],
+                  index: SemanticIndex | None = None) -> tuple[list, int]:
     """Load remembered prompt `match`'s pieces (verified `Loaded`s) from chunk `start_chunk` up to the one covering
-    `end`; returns them and how far they reach (stops at a miss or a piece that fails verification)."""
+    `end`; returns them and how far they reach (stops at a miss or a piece that fails verification; with `index`,
+    the prompts that need a piece no tier holds are dropped from it)."""
     n, entry = store.chunk_size, match.ids.tolist()
     keys = chunk_keys(entry, n, store.namespace(lm))
     pieces, reach = [], start_chunk * n
@@ -117,6 +120,8 @@ def _entry_pieces(store: ChunkStore, lm, match: Match, start_chunk: int, end: in
         got = store.load(lm, key, j * n, t)
         if got is None:
             missed.add(key)
+            if index is not None and store.reads:
+                index.piece_missing(lm, key)
             break
         pieces.append(got)
         reach = min(end, j * n + t)
@@ -125,43 +130,47 @@ def _entry_pieces(store: ChunkStore, lm, match: Match, start_chunk: int, end: in
 
 @torch.no_grad()
 def prefill_semantic(lm, cache: KVCache, ids: list[int], index: SemanticIndex, min_tail: int = 1, k: int = 4,
-                     text: str | None = None, min_gain: int = 16,
-                     remember: bool = True) -> tuple[torch.Tensor, SemanticReport]:
+                     text: str | None = None, min_gain: int = 16, remember: bool = True,
+                     store: ChunkStore | None = None, interrupt=None,
+                     vector=None) -> tuple[torch.Tensor, SemanticReport]:
     """Prefill `ids` into the empty plain `cache`, reusing the most stored KV an exact prefix allows: the new
     prompt's own stored chunks, extended to the longest common token prefix with one of the k remembered prompts
     nearest by embedding when that gives at least `min_gain` more tokens (loading a piece costs a little); at
     least `min_tail` tokens are computed. Full chunks computed are stored, and (with `remember`) the prompt is
     remembered. With no candidate this is `prefill` with the store. Returns the last token's logits and a
-    `SemanticReport` (`path` says which reuse it took)."""
+    `SemanticReport` (`path` says which reuse it took). `store`: a policy view of the index's store (the server's
+    `use_store` / `fill_store`); `interrupt()` is called before each computed piece (it raises to stop). `vector`: the
+    prompt's embedding when the caller has it already."""
     ids = check_ids(lm, ids)
     check_plain(cache)
     if any(layer.is_initialized for layer in cache.layers):
         raise KVMemError("semantic reuse prefills an empty cache only")
-    store = index.store
+    store = index.store if store is None else store
     report = SemanticReport(prompt_tokens=len(ids))
     limit = len(ids) - max(min_tail, 1)
     t = time.perf_counter()
-    vector = index.embed(lm, ids, text) if len(index) or remember else None
-    found = index.candidates(lm, ids, k, vector=vector) if vector is not None else []
+    if vector is None:
+        vector = index.embed(lm, ids, text) if len(index) or remember else None
+    found = index.candidates(lm, ids, k, vector=vector) if vector is not None and store.reads else []
     report.lookup_s = time.perf_counter() - t
     report.candidates = len(found)
     report.candidate_tokens = max((min(m.common, limit) for m in found), default=0)
     if report.candidate_tokens < max(min_gain, 1):  # nothing a remembered prompt could add: exact chunk reuse
-        logits, report = prefill(lm, cache, ids, store, min_tail, report)
+        logits, report = prefill(lm, cache, ids, store, min_tail, report, interrupt=interrupt)
         report.chunk_tokens = report.reused_tokens
     else:
-        logits = _prefill_extended(lm, cache, ids, index, found, limit, min_gain, report)
-    if remember:
+        logits = _prefill_extended(lm, cache, ids, index, store, found, limit, min_gain, report, interrupt)
+    if remember and store.writes:
         t = time.perf_counter()
-        index.remember(lm, ids, cache, vector=vector, save_chunks=False)
+        index.remember(lm, ids, cache, vector=vector, save_chunks=False, store=store)
         report.remember_s = time.perf_counter() - t
     return logits, report
 
 
-def _prefill_extended(lm, cache: KVCache, ids: list[int], index: SemanticIndex, found: list[Match], limit: int,
-                      min_gain: int, report: SemanticReport) -> torch.Tensor:
+def _prefill_extended(lm, cache: KVCache, ids: list[int], index: SemanticIndex, store: ChunkStore, found: list[Match],
+                      limit: int, min_gain: int, report: SemanticReport, interrupt=None) -> torch.Tensor:
     """`prefill`'s loop, with the loaded prefix extended from a remembered prompt's pieces."""
-    store, n = index.store, index.store.chunk_size
+    n = store.chunk_size
     keys = store.keys(lm, ids)
     loaded: list[list[ExportedRows]] = []
     missed: set[str] = set()
@@ -180,12 +189,13 @@ def _prefill_extended(lm, cache: KVCache, ids: list[int], index: SemanticIndex, 
         want = min(match.common, limit)
         if want < chunk_end + max(min_gain, 1):
             break
-        pieces, got_to = _entry_pieces(store, lm, match, len(loaded), want, missed)
+        pieces, got_to = _entry_pieces(store, lm, match, len(loaded), want, missed, index)
         if got_to >= chunk_end + max(min_gain, 1):
             extended = loaded + [_truncate(p.layers, got_to) for p in pieces]
             if _visible(extended, windows, got_to):
                 loaded, reach = extended, got_to
                 report.path, report.match_key, report.match_score = "semantic", match.key, match.score
+                index.used(match.ids)
                 first = len(loaded) - len(pieces)  # the chunk index of the first entry piece
                 for i, p in enumerate(pieces):
                     start = (first + i) * n
@@ -202,4 +212,4 @@ def _prefill_extended(lm, cache: KVCache, ids: list[int], index: SemanticIndex, 
         t = time.perf_counter()
         import_chunks(cache, loaded, reach)
         report.import_s = time.perf_counter() - t
-    return compute_rest(lm, cache, ids, reach, store, keys, n, report)
+    return compute_rest(lm, cache, ids, reach, store, keys, n, report, interrupt=interrupt)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
 from kvmem.reuse.prefix import chunk_rows
 from kvmem.rows import ExportedRows
-from kvmem.store.keys import span_key
+from kvmem.store.keys import chunk_keys, span_key
 from kvmem.store.store import ChunkStore, expected_positions, layer_windows
 
 ENTRIES_FORMAT = 1
@@ -70,15 +72,29 @@ class SemanticIndex:
     `encode(text, normalize_embeddings=True)`. `embed_tokens`: how many leading tokens of a prompt are embedded
     (exact-prefix reuse only pays for a shared beginning, and it bounds an LLM embedder's cost; minilm itself
     reads 256 word pieces). `path`: where `save()` writes and where the index is read from, if there.
+
+    Entries leave with their KV: a prompt whose stored pieces (its chunks and its tail) are no longer all held is
+    dropped. The store tells the index each key a tier evicts to make room (memory LRU, disk budget) or discards
+    after a failed check; at the index's next use, an entry with such a piece that no tier still holds is dropped.
+    Evictions nobody reports (a Redis TTL or maxmemory, another process deleting files) are found at lookup: a
+    proposed prompt whose piece is missing is dropped then; `prune()` checks every entry. At most `max_entries`
+    prompts are kept; past that the least recently used leaves.
     """
 
     def __init__(self, store: ChunkStore, embedder=DEFAULT_EMBEDDER, path: str | os.PathLike | None = None,
-                 embed_tokens: int | None = 256):
+                 embed_tokens: int | None = 256, max_entries: int = 100_000):
         if not isinstance(store, ChunkStore):
             raise KVMemError(f"a semantic index keeps its KV in a ChunkStore, got {type(store).__name__}")
         if embed_tokens is not None and embed_tokens < 1:
             raise KVMemError(f"embed_tokens must be >= 1 (or None: the whole prompt), got {embed_tokens}")
-        self.store, self.embed_tokens = store, embed_tokens
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise KVMemError(f"max_entries must be a positive integer, got {max_entries!r}")
+        self.store, self.embed_tokens, self.max_entries = store, embed_tokens, max_entries
+        self._lock = threading.RLock()  # the server's requests share one index
+        # keys the store reported gone, checked at the next use; bounded (a key left out is still caught at lookup)
+        self._pending: deque[str] = deque(maxlen=1 << 16)
+        self.dropped = 0  # entries dropped because their stored pieces left
+        store.subscribe(self._heard)
         self.path = Path(path) if path is not None else None
         self._spec, self._embedder = (embedder, None) if isinstance(embedder, str) else (None, embedder)
         if self._spec is not None:
@@ -93,8 +109,9 @@ class SemanticIndex:
     # -- state -------------------------------------------------------------------------------------------
     def _clear(self) -> None:
         self.vectors = None  # a kvmem.embed.index.VectorIndex, made at the first remembered prompt
-        self._ids: dict[int, np.ndarray] = {}  # vector key -> token ids
+        self._ids: dict[int, np.ndarray] = {}  # vector key -> token ids, least recently used first
         self._by_digest: dict[bytes, int] = {}
+        self._pieces: tuple[str, dict[str, set[int]]] | None = None  # (namespace, piece key -> entries), built lazily
         self._next = 0
         self.binding: dict | None = None  # {"tokenizer": ..., "embedder": ...} of the prompts held
 
@@ -153,35 +170,41 @@ class SemanticIndex:
 
     # -- remember, look up -------------------------------------------------------------------------------
     def remember(self, lm, ids: list[int], cache: KVCache, text: str | None = None, vector: np.ndarray | None = None,
-                 save_chunks: bool = True, compute_s: float | None = None) -> str:
+                 save_chunks: bool = True, compute_s: float | None = None, store: ChunkStore | None = None) -> str:
         """Store the KV of prompt `ids` that `cache` holds (right after its prefill: nothing decoded, nothing
         evicted) and add the prompt to the index. Saves its tail (the partial last chunk) and, with `save_chunks`,
         every full chunk whose rows the cache still holds in full (a sliding layer keeps only its last window:
         `prefill` / `prefill_semantic` store chunks as they are computed and pass save_chunks=False). Returns the
-        prompt's key."""
+        prompt's key. `store`: a policy view of the index's store to write through (the server's `fill_store`)."""
         ids = check_ids(lm, ids)
-        self._bind(lm)
+        with self._lock:
+            self._bind(lm)
+            return self._remember(lm, ids, cache, text, vector, save_chunks, compute_s, store or self.store)
+
+    def _remember(self, lm, ids, cache, text, vector, save_chunks, compute_s, store) -> str:
         check_plain(cache)
         if any(not layer.is_initialized or layer.next_position != len(ids) or layer.compressed
                or layer.log_weights is not None for layer in cache.layers):
             raise KVMemError(f"the cache does not hold exactly the {len(ids)} prompt tokens, unevicted (remember a "
                              "prompt right after its prefill)")
-        n, windows = self.store.chunk_size, layer_windows(lm.config)
+        n, windows = store.chunk_size, layer_windows(lm.config)
         if save_chunks:
-            for j, ck in enumerate(self.store.keys(lm, ids)):
+            for j, ck in enumerate(store.keys(lm, ids)):
                 rows = chunk_rows(cache, j * n, (j + 1) * n)
                 if complete(rows, windows, j * n, (j + 1) * n):
-                    self.store.save(lm, ck, rows, j * n, n)
-        key = prompt_key(self.store, lm, ids)
+                    store.save(lm, ck, rows, j * n, n)
+        key = prompt_key(store, lm, ids)
         start = len(ids) // n * n
         if start < len(ids):
             rows = chunk_rows(cache, start, len(ids))
             if not complete(rows, windows, start, len(ids)):  # cannot happen for a plain, just prefilled cache
                 raise KVMemError("the cache lacks rows of the prompt's last tokens")
-            self.store.save(lm, key, rows, start, len(ids) - start, compute_s=compute_s)
+            if not store.save(lm, key, rows, start, len(ids) - start, compute_s=compute_s):
+                return key  # the tail was not stored (no tier took it, or a read-only view): nothing to remember
         arr = np.asarray(ids, dtype=np.int64)
         digest = _ids_digest(arr)
         if digest in self._by_digest:
+            self._touch(self._by_digest[digest])
             return key
         if vector is None:
             vector = self.embed(lm, ids, text)
@@ -194,16 +217,98 @@ class SemanticIndex:
         vid = self._next
         self.vectors.add(np.array([vid]), vector[None])
         self._ids[vid], self._by_digest[digest], self._next = arr, vid, vid + 1
+        if self._pieces is not None:
+            for piece in self.piece_keys(lm, arr):
+                self._pieces[1].setdefault(piece, set()).add(vid)
+        while len(self._ids) > self.max_entries:  # the least recently used leaves
+            self._drop(next(iter(self._ids)))
+        self._check_pending(lm)  # what this prompt's writes evicted
         return key
+
+    # -- entries leave with their pieces ---------------------------------------------------------------
+    def _heard(self, key: str) -> None:
+        if self._ids:  # nothing to drop while the index is empty
+            self._pending.append(key)
+
+    def piece_keys(self, lm, ids) -> list[str]:
+        """The store keys of a remembered prompt's pieces: its full chunks and, if its length is not a whole number
+        of chunks, its tail."""
+        ids = [int(i) for i in ids]
+        keys = chunk_keys(ids, self.store.chunk_size, self.store.namespace(lm))
+        return keys + ([prompt_key(self.store, lm, ids)] if len(ids) % self.store.chunk_size else [])
+
+    def _touch(self, vid: int) -> None:
+        self._ids[vid] = self._ids.pop(vid)  # most recently used last
+
+    def _drop(self, vid: int) -> None:
+        ids = self._ids.pop(vid)
+        self._by_digest.pop(_ids_digest(ids), None)
+        self.vectors.remove(np.array([vid]))
+        if self._pieces is not None:
+            for vids in self._pieces[1].values():
+                vids.discard(vid)
+
+    def _piece_map(self, lm) -> dict[str, set[int]]:
+        ns = self.store.namespace(lm)
+        if self._pieces is None or self._pieces[0] != ns:
+            pieces: dict[str, set[int]] = {}
+            for vid, ids in self._ids.items():
+                for piece in self.piece_keys(lm, ids):
+                    pieces.setdefault(piece, set()).add(vid)
+            self._pieces = (ns, pieces)
+        return self._pieces[1]
+
+    def _check_pending(self, lm) -> int:
+        """Drop the entries with a piece the store reported gone that no tier holds any more; returns how many."""
+        if not self._pending:
+            return 0
+        with self._lock:
+            pieces, dropped = self._piece_map(lm), 0
+            while self._pending:
+                key = self._pending.popleft()
+                vids = pieces.get(key)
+                if vids and self.store.held(key) is False:
+                    for vid in list(vids):
+                        if vid in self._ids:
+                            self._drop(vid)
+                            dropped += 1
+                    pieces.pop(key, None)
+            self.dropped += dropped
+            return dropped
+
+    def piece_missing(self, lm, key: str) -> int:
+        """A piece of a proposed prompt could not be loaded (a miss, or it failed verification): drop the entries that
+        need it if no tier holds it (a tier that cannot be asked keeps them)."""
+        self._pending.append(key)
+        return self._check_pending(lm)
+
+    def prune(self, lm) -> int:
+        """Check every entry's pieces in the store (one existence check each) and drop the entries missing one, however
+        they left (a Redis TTL, files deleted by another process); returns how many were dropped."""
+        with self._lock:
+            self._bind(lm)
+            gone = [vid for vid, ids in self._ids.items()
+                    if any(self.store.held(piece) is False for piece in self.piece_keys(lm, ids))]
+            for vid in gone:
+                self._drop(vid)
+            self.dropped += len(gone)
+            return len(gone)
 
     def forget(self, lm, ids: list[int]) -> bool:
         """Remove a prompt from the index (its stored pieces stay until the store evicts them)."""
-        vid = self._by_digest.pop(_ids_digest(np.asarray(list(ids), dtype=np.int64)), None)
-        if vid is None:
-            return False
-        self.vectors.remove(np.array([vid]))
-        del self._ids[vid]
-        return True
+        with self._lock:
+            vid = self._by_digest.get(_ids_digest(np.asarray(list(ids), dtype=np.int64)))
+            if vid is None:
+                return False
+            self._drop(vid)
+            return True
+
+    def used(self, ids) -> None:
+        """A proposed prompt was reused: it becomes the most recently used (the last to leave at `max_entries`)."""
+        with self._lock:
+            vid = self._by_digest.get(_ids_digest(np.asarray(list(ids), dtype=np.int64)))
+            if vid is not None:
+                self._touch(vid)
 
     def candidates(self, lm, ids: list[int], k: int = 4, text: str | None = None,
                    vector: np.ndarray | None = None) -> list[Match]:
@@ -212,19 +317,21 @@ class SemanticIndex:
         ids = check_ids(lm, ids)
         if not isinstance(k, int) or k < 1:
             raise KVMemError(f"k must be a positive integer, got {k!r}")
-        self._bind(lm)
-        if not self._ids:
-            return []
-        if vector is None:
-            vector = self.embed(lm, ids, text)
-        if vector is None:
-            return []
-        if len(vector) != self.vectors.dim:
-            raise KVMemError(f"a {len(vector)}-d embedding for a {self.vectors.dim}-d index")
-        keys, scores = self.vectors.search(vector, k)
-        query = np.asarray(ids, dtype=np.int64)
-        out = [Match(prompt_key(self.store, lm, self._ids[int(v)].tolist()), common_prefix(query, self._ids[int(v)]),
-                     float(s), self._ids[int(v)]) for v, s in zip(keys[0], scores[0]) if int(v) in self._ids]
+        with self._lock:
+            self._bind(lm)
+            self._check_pending(lm)
+            if not self._ids:
+                return []
+            if vector is None:
+                vector = self.embed(lm, ids, text)
+            if vector is None:
+                return []
+            if len(vector) != self.vectors.dim:
+                raise KVMemError(f"a {len(vector)}-d embedding for a {self.vectors.dim}-d index")
+            keys, scores = self.vectors.search(vector, min(k, len(self._ids)))
+            query = np.asarray(ids, dtype=np.int64)
+            out = [Match(prompt_key(self.store, lm, self._ids[int(v)].tolist()), common_prefix(query, self._ids[int(v)]),
+                         float(s), self._ids[int(v)]) for v, s in zip(keys[0], scores[0]) if int(v) in self._ids]
         return sorted(out, key=lambda m: (-m.common, -m.score))
 
     def lookup(self, lm, ids: list[int], k: int = 4, text: str | None = None) -> tuple[str | None, int]:
@@ -312,7 +419,7 @@ class SemanticIndex:
             raise KVMemError("the vector index and the entries disagree")
         if any(e.ndim != 1 or not e.size for e in entries.values()):
             raise KVMemError("an entry holds no token ids")
-        self.vectors, self._ids, self._next = vectors, entries, nxt
+        self.vectors, self._ids, self._next, self._pieces = vectors, entries, nxt, None
         self._by_digest = {_ids_digest(e): vid for vid, e in entries.items()}
         self._loaded = binding  # checked against the model at first use (`_bind`)
 

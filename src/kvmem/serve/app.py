@@ -6,10 +6,12 @@ kvmem's per-request options travel in the body's `kvmem` object (the openai clie
 
     method, keep_ratio, quant, query_aware   how the context's KV is compressed (`kvmem.compress`, `kvmem.quant`)
     use_store, fill_store                    read stored KV / store what this request computes
-    reuse                                    prefix (default) | cacheblend | infoflow (`kvmem.reuse.blend`)
+    reuse                                    prefix (default) | semantic (token recycling, `kvmem.reuse.semantic`) |
+                                             semshare (`kvmem.reuse.semshare`) | cacheblend | infoflow (`kvmem.reuse.blend`)
     documents                                texts placed between the conversation and the last message; with
                                              cacheblend/infoflow each is precomputed (and stored) on its own
-    recompute_ratio                          cacheblend/infoflow: the share of document tokens recomputed
+    recompute_ratio                          cacheblend/infoflow: the share of document tokens recomputed; semshare:
+                                             of the tokens aligned to the similar prompt
     ignore_eos, timeout                      generate past end-of-sequence; seconds before the request gives up
     method, layer (embeddings)               the embedding method (a `kvmem.embed` spec) and its layer
 
@@ -48,23 +50,27 @@ from kvmem.serve.state import Server
 def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, workers: int = 1, queue: int = 16,
                timeout_s: float = 120.0, max_tokens: int = 256, max_n: int = 4,
                embed_method: str = "prompteol", kv_budget: int | None = None, max_rows: int = 64,
-               api_key: str | None = None, cors_origins: list[str] | None = None) -> FastAPI:
-    """The API for `lm` (loaded once, shared read-only by every request) with an optional `ChunkStore`. With
+               api_key: str | None = None, cors_origins: list[str] | None = None, index=None) -> FastAPI:
+    """The API for `lm` (loaded once, shared read-only by every request) with an optional `ChunkStore` and, over it,
+    a `SemanticIndex` for reuse=semantic / semshare (saved at shutdown when it has a path). With
     `kv_budget` (bytes) requests are decoded together by continuous batching (`serve.scheduler`); without it each of
     `workers` threads decodes one request at a time (`serve.engine`). The routes build a job (`serve.jobs`) and
     answer with its events (`serve.respond`); embeddings are `serve.embeddings`. With `api_key`, /v1/* needs it as a
     Bearer token; `cors_origins` are the browser origins allowed; every request gets an id and an access-log line
     (`serve.access`)."""
-    engine = Scheduler(lm, store, kv_budget, queue, max_rows) if kv_budget else Engine(lm, store, workers, queue)
+    engine = (Scheduler(lm, store, kv_budget, queue, max_rows, index=index) if kv_budget else
+              Engine(lm, store, workers, queue, index=index))
     metrics = Metrics(engine, store)
     server = Server(lm, store, engine, metrics, defaults or Options(), workers, queue, kv_budget, timeout_s, max_tokens,
-                    max_n, embed_method)
+                    max_n, embed_method, index=index)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         if hasattr(engine, "close"):
             engine.close()  # the scheduler's thread stops; its swap folder goes
+        if index is not None and index.path is not None:
+            index.save()  # the remembered prompts outlive the process (their KV is in the store's lasting tiers)
 
     started = int(time.time())  # the models' `created`
     app = FastAPI(title="kvmem", version="0.1.0", lifespan=lifespan, dependencies=[Depends(require_key(api_key))])
@@ -113,6 +119,7 @@ def create_app(lm: LoadedModel, store=None, defaults: Options | None = None, wor
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": lm.name, "fingerprint": lm.fingerprint, "store": repr(store) if store else None,
+                "semantic_index": None if index is None else {"prompts": len(index), "dropped": index.dropped},
                 "running": engine.running, "waiting": engine.waiting, "queue": queue} | (
                     {"batching": True, "kv_budget": kv_budget, "batch_rows": len(engine.rows), "swapped": len(engine.swapped),
                      "preemptions": engine.preemptions} if kv_budget else {"batching": False, "workers": workers})

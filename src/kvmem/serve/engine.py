@@ -41,7 +41,8 @@ from kvmem.models import LoadedModel
 from kvmem.prompts import Prompt
 from kvmem.serve.logits import Shaper, TokenLogprob, prompt_logprobs, token_logprob, vocab_size
 
-REUSE_MODES = ("prefix", "cacheblend", "infoflow")
+REUSE_MODES = ("prefix", "semantic", "semshare", "cacheblend", "infoflow")
+SEMANTIC_MODES = ("semantic", "semshare")  # through the server's semantic index (`kvmem serve --store ...`)
 
 
 class Stopped(Exception):
@@ -66,8 +67,8 @@ class Options:
     query_aware: bool = False
     use_store: bool = True  # read stored KV
     fill_store: bool = True  # store what this request computes
-    reuse: str = "prefix"  # or cacheblend / infoflow over `documents`
-    recompute_ratio: float = 0.15
+    reuse: str = "prefix"  # semantic / semshare (the server's semantic index), or cacheblend / infoflow over `documents`
+    recompute_ratio: float = 0.15  # cacheblend / infoflow / semshare: the share of reused tokens recomputed
     ignore_eos: bool = False
 
 
@@ -135,11 +136,18 @@ def _held_back(text: str, stops: list[str]) -> int:
     return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
-def prefill_job(lm: LoadedModel, store, job: Job, interrupt: Callable[[], None]):
+def prefill_job(lm: LoadedModel, store, job: Job, interrupt: Callable[[], None], index=None):
     """The job's own cache with its prompt read (and compressed): (cache, last logits, reused tokens, KV bytes before
     and after compression). `interrupt()` is called between prefill pieces (it raises `Stopped` to stop the job; the
-    batching scheduler also decodes its running rows there)."""
+    batching scheduler also decodes its running rows there). `index`: the server's semantic index (semantic, semshare)."""
     o = job.options
+    if o.reuse in SEMANTIC_MODES:
+        if index is None:
+            raise KVMemError(f"reuse={o.reuse} needs the server's semantic index (start it with --store)")
+        view = index.store.policy(read=o.use_store, write=o.fill_store)
+        p = prepare(lm, job.prompt, o.method, o.keep_ratio, o.query_aware, o.quant, view, interrupt, o.reuse, index,
+                    o.recompute_ratio)
+        return p.cache, p.logits, p.reuse.reused_tokens, p.kv_bytes_full, p.kv_bytes
     if store is not None:
         store = store.policy(read=o.use_store, write=o.fill_store) if (o.use_store or o.fill_store) else None
     if o.reuse == "prefix":
@@ -261,10 +269,11 @@ class Engine:
     team of its own, so more than one worker on few CPUs makes every team's threads sleep between parallel regions
     (`kvmem.models.on_passing_thread`): one worker with all the threads is the fast way to decode one at a time."""
 
-    def __init__(self, lm: LoadedModel, store=None, workers: int = 1, queue: int = 16, on_finish: Callable | None = None):
+    def __init__(self, lm: LoadedModel, store=None, workers: int = 1, queue: int = 16, on_finish: Callable | None = None,
+                 index=None):
         if workers < 1 or queue < 0:
             raise KVMemError(f"workers must be >= 1 and queue >= 0 (got {workers}, {queue})")
-        self.lm, self.store, self.workers, self.queue_size = lm, store, workers, queue
+        self.lm, self.store, self.workers, self.queue_size, self.index = lm, store, workers, queue, index
         self.waiting = self.running = 0
         self.active: set[Job] = set()  # jobs admitted and not finished (queued or running)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvmem-request")
@@ -364,7 +373,7 @@ class Engine:
             return False
         t0 = time.monotonic()
         try:
-            cache, logits, reused, kv_full, kv_kept = prefill_job(lm, self.store, job, stop_if_ended(job))
+            cache, logits, reused, kv_full, kv_kept = prefill_job(lm, self.store, job, stop_if_ended(job), self.index)
         except Stopped:
             if not job.cancel.is_set():
                 emit(timeout_event(job, choice, "during the prefill"))

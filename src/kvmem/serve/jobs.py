@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvmem.errors import KVMemError
 from kvmem.prompts import Prompt, chat_prompt
-from kvmem.serve.engine import REUSE_MODES, Job, Options, Sampling
+from kvmem.serve.engine import REUSE_MODES, SEMANTIC_MODES, Job, Options, Sampling
 from kvmem.serve.schemas import ChatRequest, CompletionRequest, Generation, KVMemOptions, fail
 from kvmem.serve.state import Server
 from kvmem.serve.tokens import token_options, tools_of
@@ -44,7 +44,14 @@ def options(server: Server, body: Generation) -> Options:
         fail(400, "method 'full' keeps every token: give keep_ratio 1.0 or another method", param="kvmem.keep_ratio")
     if o.reuse not in REUSE_MODES:
         fail(400, f"unknown reuse mode {o.reuse!r}; choose from {', '.join(REUSE_MODES)}", param="kvmem.reuse")
-    if o.reuse != "prefix":
+    if o.reuse in SEMANTIC_MODES:
+        if server.index is None:
+            fail(400, f"reuse={o.reuse} looks prompts up in the server's semantic index, and this server has no store "
+                      "(start it with --store)", param="kvmem.reuse")
+        if get_method(o.method).name != "full" or o.keep_ratio < 1.0 or o.quant:
+            fail(400, f"reuse={o.reuse} reads and stores plain rows: no compression method or quantization (use "
+                      "reuse=prefix with a method)", param="kvmem.reuse")
+    elif o.reuse != "prefix":
         if not k.documents:
             fail(400, f"reuse={o.reuse} assembles documents: give them in kvmem.documents", param="kvmem.documents")
         if o.method != "full" and o.keep_ratio < 1.0 or o.quant:
@@ -90,7 +97,7 @@ def chat_job(server: Server, body: ChatRequest) -> Job:
         prompt = chat_prompt(server.lm.tokenizer, messages, tools_of(server, body))
     except KVMemError as e:
         fail(400, str(e), param="messages")
-    if o.reuse == "prefix" and docs:  # the documents join the reusable context, in the order given
+    if o.reuse in ("prefix", *SEMANTIC_MODES) and docs:  # the documents join the reusable context, in the order given
         prompt = Prompt(prompt.context + [t for d in docs for t in d], prompt.question, prompt.head)
         docs = []
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -105,7 +112,7 @@ def completion_job(server: Server, body: CompletionRequest) -> Job:
     tokenizer = server.lm.tokenizer
     if body.kvmem and body.kvmem.documents:
         fail(400, "documents go with /v1/chat/completions", param="kvmem.documents")
-    if o.reuse != "prefix":
+    if o.reuse not in ("prefix", *SEMANTIC_MODES):
         fail(400, "cacheblend/infoflow reuse goes with /v1/chat/completions and documents", param="kvmem.reuse")
     p = body.prompt
     if isinstance(p, list) and p and isinstance(p[0], str):

@@ -107,11 +107,12 @@ class Scheduler:
     workers = 1  # one thread runs the model (for /health)
 
     def __init__(self, lm: LoadedModel, store=None, kv_budget: int = 2**30, queue: int = 16, max_rows: int = 64,
-                 swap_dir: str | None = None):
+                 swap_dir: str | None = None, index=None):
         if kv_budget <= 0 or queue < 0 or max_rows < 1:
             raise KVMemError(f"kv_budget must be > 0 bytes, queue >= 0 and max_rows >= 1 (got {kv_budget}, {queue}, "
                              f"{max_rows})")
         self.lm, self.store, self.kv_budget, self.queue_size, self.max_rows = lm, store, kv_budget, queue, max_rows
+        self.index = index  # the semantic index of reuse=semantic / semshare (kvmem.reuse.semantic_index)
         self.batch = RowBatch(lm.model.config)
         self.rows: list[Row] = []  # decoding, in the batch's order
         self.swapped: deque[Row] = deque()  # preempted, oldest first
@@ -291,7 +292,7 @@ class Scheduler:
         self.prefilling = request
         t0 = time.monotonic()
         try:
-            cache, logits, reused, kv_full, kv_kept = prefill_job(lm, self.store, job, interrupt)
+            cache, logits, reused, kv_full, kv_kept = prefill_job(lm, self.store, job, interrupt, self.index)
         except Stopped:
             if not job.cancel.is_set():
                 self._fail(request, 504, "timeout", timeout_event(job, 0, "during the prefill").data["message"])

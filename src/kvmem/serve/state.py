@@ -30,6 +30,7 @@ class Server:
     max_n: int
     embed_method: str
     embedders: dict[str, Any] = field(default_factory=dict)  # reference encoders (no LLM, no hooks): loaded once
+    index: Any = None  # a SemanticIndex over the store (reuse=semantic / semshare), or None
 
     @property
     def fingerprint(self) -> str:

@@ -73,6 +73,39 @@ class ChunkStore:
         self._lock = threading.Lock()  # the store is shared by concurrent requests (the server's threads)
         self._down_until: dict[int, float] = {}
         self._codecs: dict[str, Codec] = {}
+        self._listeners: list = []  # called with each key a tier evicted or a failed check discarded (`subscribe`)
+        for tier in self.tiers:
+            tier.on_evict = self._evicted
+
+    def subscribe(self, listener) -> None:
+        """Call `listener(key)` whenever a tier evicts a chunk to make room or a chunk that failed verification is
+        discarded (the key may still be held by another tier: see `held`). Policy views share the listeners."""
+        self._listeners.append(listener)
+
+    def _evicted(self, key: str) -> None:
+        self._count("evicted")
+        self._gone(key)
+
+    def _gone(self, key: str) -> None:
+        for listener in list(self._listeners):
+            listener(key)
+
+    def held(self, key: str) -> bool | None:
+        """Whether some tier holds `key` now: True, False, or None when a tier that may hold it cannot be asked."""
+        unknown = False
+        for i, tier in enumerate(self.tiers):
+            if not self._usable(i):
+                unknown = True
+                continue
+            try:
+                if tier.contains(key):
+                    return True
+            except NodeDown:
+                unknown = True
+            except Exception as e:  # noqa: BLE001
+                self._failed(i, "read", e)
+                unknown = True
+        return None if unknown else False
 
     def policy(self, read: bool = True, write: bool = True) -> "ChunkStore":
         """A view of this store (same tiers, counters and codecs) that only reads or only writes, or neither: the
@@ -162,6 +195,7 @@ class ChunkStore:
                     self._node_failed(i, "delete", e)
                 except Exception as e:  # noqa: BLE001
                     self._failed(i, "delete", e)
+        self._gone(key)
 
     # -- chunks of one model ------------------------------------------------------------------------
     def codec_for(self, lm) -> Codec:

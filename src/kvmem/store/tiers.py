@@ -47,9 +47,21 @@ def _check_key(key: str) -> str:
 
 class Tier:
     name: str
+    # called with the key of each chunk the tier itself drops to make room (memory LRU, disk budget); set by the
+    # ChunkStore that holds the tier, so what indexes its chunks (the semantic index) can drop its entries
+    on_evict = None
 
     def get(self, key: str) -> bytes | None:
         raise NotImplementedError
+
+    def contains(self, key: str) -> bool:
+        """Whether the tier holds `key` now (raises like `get` when it cannot be reached)."""
+        return self.get(key) is not None
+
+    def _evicted(self, keys: list[str]) -> None:
+        if self.on_evict is not None:
+            for key in keys:
+                self.on_evict(key)
 
     def put(self, key: str, blob: bytes) -> str:
         raise NotImplementedError
@@ -80,14 +92,22 @@ class MemoryTier(Tier):
         _check_key(key)
         if len(blob) > self.max_bytes:
             return "full"
+        evicted = []
         with self._lock:
             old = self._items.pop(key, None)
             self.nbytes -= len(old) if old is not None else 0
             while self._items and self.nbytes + len(blob) > self.max_bytes:
-                self.nbytes -= len(self._items.popitem(last=False)[1])
+                gone, data = self._items.popitem(last=False)
+                self.nbytes -= len(data)
+                evicted.append(gone)
             self._items[key] = bytes(blob)
             self.nbytes += len(blob)
+        self._evicted(evicted)  # outside the lock: a listener may read the store
         return "ok"
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._items
 
     def delete(self, key: str) -> None:
         with self._lock:
@@ -180,11 +200,17 @@ class DiskTier(Tier):
     def _make_room(self, incoming: int) -> None:
         files = sorted(self._files())
         total = sum(size for _, size, _ in files)
+        evicted = []
         for _, size, p in files:
             if total + incoming <= self.max_bytes:
                 break
             p.unlink(missing_ok=True)
             total -= size
+            evicted.append(p.stem)
+        self._evicted(evicted)
+
+    def contains(self, key: str) -> bool:
+        return self._path(key).exists()
 
     def delete(self, key: str) -> None:
         if not self.readonly:
@@ -215,6 +241,9 @@ class RedisTier(Tier):
 
     def delete(self, key: str) -> None:
         self.client.delete(f"kvmem:{_check_key(key)}")
+
+    def contains(self, key: str) -> bool:
+        return bool(self.client.exists(f"kvmem:{_check_key(key)}"))
 
 
 def _refusal(error: Exception) -> str:
@@ -325,6 +354,9 @@ class RedisClusterTier(Tier):
 
     def delete(self, key: str) -> None:
         self._run(key, lambda client, name: client.delete(name))
+
+    def contains(self, key: str) -> bool:
+        return bool(self._run(key, lambda client, name: client.exists(name)))
 
 
 def parse_tier(spec: str) -> Tier:
