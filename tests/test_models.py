@@ -269,3 +269,27 @@ def test_the_qwen_parts_must_join_into_the_known_gguf(tmp_path, monkeypatch):
     with pytest.raises(KVMemError, match="do not join into the Qwen2.5-Coder-0.5B-Instruct GGUF"):
         models._qwen_gguf()
     assert not list((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_the_kernel_builds_per_checkout_and_a_stale_lock_is_removed():
+    """A killed build leaves torch's lock behind, on which every later process would wait forever."""
+    import os
+    import time
+
+    from kvmem import kernel
+
+    folder = kernel._build_directory()
+    assert folder.name.startswith("kvmem_kernel_") and folder == kernel._build_directory()  # this checkout's, stable
+    lock = folder / "lock"
+    if lock.exists():  # a build runs now beside this test: leave it alone
+        return
+    lock.touch()
+    os.utime(lock, (time.time() - 2 * kernel.STALE_LOCK_S,) * 2)
+    kernel._build_directory()
+    assert not lock.exists()
+    lock.touch()  # a fresh lock is a build in progress: kept
+    try:
+        kernel._build_directory()
+        assert lock.exists()
+    finally:
+        lock.unlink(missing_ok=True)

@@ -52,11 +52,36 @@ def _load():
             # pip's ninja lives beside the interpreter, which need not be on PATH (a venv used without activation)
             os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
             _module = load(name="kvmem_decode_attention", sources=[str(s) for s in SOURCES],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+                           build_directory=str(_build_directory()))
         except Exception as e:  # no compiler, no ninja, no Python headers: PyTorch's path serves instead
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             log.warning("kvmem: the decode kernel could not be built (%s); layers attend through PyTorch", _failed)
         return _module
+
+
+STALE_LOCK_S = 600  # a build takes ~30 s (minutes on a loaded machine); a lock this old was left by a killed build
+
+
+def _build_directory() -> Path:
+    """One build folder per checkout and source text: checkouts side by side (git worktrees, CI) would otherwise
+    rebuild in turn, each rewriting the shared build file with its own source paths. A lock left by a build that was
+    killed makes torch wait forever, so one older than STALE_LOCK_S is removed."""
+    import hashlib
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    digest = hashlib.blake2b(digest_size=8)
+    for source in SOURCES:
+        digest.update(str(source).encode() + b"\0" + source.read_bytes())
+    folder = Path(_get_build_directory("kvmem_decode_attention", verbose=False)).parent / f"kvmem_kernel_{digest.hexdigest()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        log.warning("kvmem: removing a stale kernel build lock (%s)", lock)
+        lock.unlink(missing_ok=True)
+    return folder
 
 
 def available() -> bool:
