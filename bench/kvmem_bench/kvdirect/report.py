@@ -1,0 +1,1 @@
+"""The KV-Direct benchmark's report (filled in below)."""
