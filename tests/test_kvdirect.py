@@ -160,3 +160,52 @@ def test_a_kv_direct_cache_is_fed_through_kvmem(smollm2):
     ids = torch.tensor([prompt_ids(smollm2, 12)])
     smollm2.model(input_ids=ids, cache=cache)  # residuals are captured by the hooks: a plain forward works too
     assert cache.layers[0].res_n == 12
+
+
+def test_the_benchmark_report_counts_token_match_bytes_and_time(tmp_path):
+    from kvmem_bench.kvdirect.report import prefix_match, summarize, token_match, write_report
+    from kvmem_bench.records import append_record
+
+    assert token_match([1, 2, 9, 4], [1, 2, 3, 4]) == 0.75 and prefix_match([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    shape = {"hidden_size": 576, "kv_heads": 3, "head_dim": 64, "layers": 30, "commit": "abc", "model": "m", "window": 2}
+    for sample, (direct, evicted) in enumerate([([1, 2, 3, 4], [1, 2, 0, 0]), ([5, 6, 7, 8], [0, 6, 7, 8])]):
+        for method, tokens, kv, ckpt, step in (("full", [[1, 2, 3, 4], [5, 6, 7, 8]][sample], 100, 0, 0.1),
+                                               ("kv-direct:checkpoint=layer:window=2", direct, 10, 150, 0.2),
+                                               ("h2o", evicted, 10, 0, 0.1)):
+            append_record(tmp_path / "records.jsonl", {**shape, "part": "decode", "length": 8, "sample": sample,
+                                                       "method": method, "tokens": tokens, "step_s": [step] * 4,
+                                                       "kv_bytes": [kv] * 4, "checkpoint_bytes": [ckpt] * 4,
+                                                       "recompute_s": 0.4 if ckpt else 0.0, "prefill_s": 1.0})
+    append_record(tmp_path / "records.jsonl", {**shape, "part": "growth", "length": 8, "method": "full", "fed": [4, 8],
+                                               "kv_bytes": [2 ** 20, 2 ** 21], "checkpoint_bytes": [0, 0], "turn_s": [1, 2]})
+    s = summarize([__import__("json").loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()])
+    rows = {r["method"]: r for r in s["decode"]}
+    assert rows["h2o"]["token_match"][0] == 0.625 and rows["h2o"]["prefix_match"][0] == 0.25
+    assert rows["kv-direct:checkpoint=layer:window=2"]["held_vs_full"] == 1.6
+    assert rows["kv-direct:checkpoint=layer:window=2"]["step_vs_full"][0] == pytest.approx(2.0)
+    assert rows["kv-direct:checkpoint=layer:window=2"]["recompute_share"] == pytest.approx(0.5)
+    assert s["sizes"]["m"] == {"residual": 2304, "kv": 1536, "ratio": 1.5}
+    (d,) = s["differences"]
+    assert d["difference"][0] == 0.375 and not d["significant"]  # two samples: too few to call it
+    report = write_report(tmp_path).read_text()
+    assert "| smollm2" not in report and "| m | 2304 B | 1536 B | 1.50x |" in report and "n < 5: not tested" in report
+    assert (tmp_path / "growth.png").exists() and (tmp_path / "decode.png").exists()
+
+
+def test_a_tiny_benchmark_run_end_to_end(smollm2, tmp_path):
+    from kvmem_bench.kvdirect.report import write_report
+    from kvmem_bench.kvdirect.runner import KVDirectConfig, run_kvdirect_suite
+    from kvmem_bench.records import read_records
+
+    cfg = KVDirectConfig(model="smollm2-135m", lengths=[40], samples=1, new_tokens=3, window=16,
+                         evictions=["streaming-llm"], turn=16, growth_length=40, tokens_max_length=40, out=tmp_path)
+    cfg.validate()
+    run_kvdirect_suite(smollm2, cfg, log=lambda *_: None)
+    records = read_records(tmp_path / "records.jsonl")
+    assert {(r["part"], r["method"]) for r in records} == {
+        ("decode", m) for m in cfg.methods()} | {("growth", m) for m in cfg.methods() if m != "streaming-llm"}
+    tokens = next(r for r in records if r["part"] == "growth" and "tokens" in r["method"])
+    assert tokens["checkpoint_bytes"] == [64, 128, 160] and len(set(tokens["kv_bytes"][1:])) == 1
+    assert "| full | 1.00 [1.00, 1.00]" in write_report(tmp_path).read_text()
+    with pytest.raises(KVMemError, match="must exceed the window"):
+        KVDirectConfig(model="m", lengths=[16], window=16).validate()
