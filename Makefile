@@ -141,9 +141,11 @@ bench-longgen: setup
 
 # KV-Direct (issue 36 B): residual checkpoints against the full cache and h2o / streaming-llm / snapkv / tova at the
 # same resident rows (256 a head), 32 greedy tokens after 1k / 2k / 4k-token prompts (checkpoint=tokens decoded at 1k
-# only: a prefill a step), and the bytes held as a conversation grows in 256-token turns to 2k.
+# only: a prefill a step), and the bytes held as a conversation grows in 256-token turns to 2k (SmolLM2). About 1 h on
+# one thread of a loaded 2-core machine.
 bench-kvdirect: setup
-	$(KVMEM) eval --suite kvdirect --models smollm2-135m --lengths 1024,2048,4096 --samples 3 --threads 1 --out results/kvdirect
+	$(KVMEM) eval --suite kvdirect --models smollm2-135m --lengths 1024,2048,4096 --samples 5 --threads 1 --out results/kvdirect
+	$(KVMEM) eval --suite kvdirect --models gemma3-270m --lengths 1024 --samples 2 --parts decode --threads 1 --out results/kvdirect
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first samples a task that
