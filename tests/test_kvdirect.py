@@ -160,6 +160,10 @@ def test_a_kv_direct_cache_is_fed_through_kvmem(smollm2):
     ids = torch.tensor([prompt_ids(smollm2, 12)])
     smollm2.model(input_ids=ids, cache=cache)  # residuals are captured by the hooks: a plain forward works too
     assert cache.layers[0].res_n == 12
+    tokens = KVDirectCache(smollm2, 8, "tokens")
+    feed(smollm2, tokens, ids[0].tolist())
+    with pytest.raises(KVMemError, match="runs its checkpointed tokens again"):  # not silently without them
+        smollm2.model(input_ids=ids[:, :1], cache=tokens, position_ids=torch.tensor([[12]]))
 
 
 def test_the_benchmark_report_counts_token_match_bytes_and_time(tmp_path):

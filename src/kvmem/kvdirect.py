@@ -111,6 +111,7 @@ class KVDirectLayer(KVLayer):
         self.project = project  # layer mode: (h (T, hidden), positions (T,)) -> keys, values (H, T, D)
         self.pending: Tensor | None = None  # this forward's input residuals (n, hidden), set by the decoder layer's hook
         self.refed = 0  # tokens mode: leading rows of this forward that are checkpointed tokens run again
+        self.armed = False  # tokens mode: the cache's forward_inputs prepared this forward (set there, cleared here)
         self.residual: Tensor | None = None  # (capacity, hidden)
         self.res_n = 0
         self.res_start = 0  # position of residual row 0
@@ -166,6 +167,10 @@ class KVDirectLayer(KVLayer):
         if self.project is not None and self.pending is None:
             raise KVMemError(f"{NAME}: layer {self.layer_idx} got no residual; feed a KV-Direct cache with "
                              "kvmem.forward.feed (the model loaded by kvmem.load_model)")
+        if self.project is None and not self.armed and self.next_position > self.window:
+            raise KVMemError(f"{NAME}:checkpoint=tokens runs its checkpointed tokens again before the new ones: feed it "
+                             "with kvmem.forward.feed (or decode / answer), not the model directly")
+        self.armed = False
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
@@ -314,7 +319,7 @@ class KVDirectCache(KVCache):
                 positions = torch.cat([torch.arange(refed, device=ids.device), positions])
                 self.refed_tokens += refed
         for layer in self.layers:
-            layer.refed = refed
+            layer.refed, layer.armed = refed, True
         return ids, positions[None]
 
     def clone(self) -> "KVCache":
