@@ -115,7 +115,7 @@ def test_answer_and_the_cli_run_it(smollm2, tmp_path):
     full = answer(smollm2, context, question, "full", max_new_tokens=12)
     direct = answer(smollm2, context, question, "kv-direct:window=64:checkpoint=tokens", max_new_tokens=12)
     assert direct.text == full.text
-    assert direct.kv_bytes_full >= full.kv_bytes and direct.kv_bytes < full.kv_bytes / 3
+    assert direct.kv_bytes_full >= full.kv_bytes and direct.kv_bytes < full.kv_bytes / 2  # 64 of ~190 tokens
     (tmp_path / "doc.txt").write_text(context)
     from kvmem.cli import app
 
