@@ -83,6 +83,24 @@ def summarize(records: list[dict]) -> dict:
                 diffs.append({"model": row["model"], "length": row["length"], "a": row["method"], "b": other["method"],
                               "n": len(common), "difference": tuple(d),
                               "significant": d.significant and len(common) >= MIN_PAIRED})
+    # pooled over the lengths (paired by sample and length, stratified by length): more pairs than one length has
+    for model, a_method in sorted({(r["model"], r["method"]) for r in rows if r["method"].startswith("kv-direct")}):
+        for b_method in sorted({r["method"] for r in rows if r["model"] == model and r["method"] != FULL
+                                and not r["method"].startswith("kv-direct")}):
+            a, b, strata = [], [], []
+            for length in sorted({r["length"] for r in rows if r["model"] == model}):
+                ra, rb = cells.get((model, length, a_method)), cells.get((model, length, b_method))
+                if ra is None or rb is None:
+                    continue
+                ma, mb = dict(zip(ra["samples"], ra["matches"])), dict(zip(rb["samples"], rb["matches"]))
+                for sample in sorted(set(ma) & set(mb)):
+                    a.append(ma[sample])
+                    b.append(mb[sample])
+                    strata.append(length)
+            if len(set(strata)) > 1:
+                d = paired_difference(a, b, strata)
+                diffs.append({"model": model, "length": "all", "a": a_method, "b": b_method, "n": len(a),
+                              "difference": tuple(d), "significant": d.significant and len(a) >= MIN_PAIRED})
     growth = [{"model": r["model"], "method": r["method"], "fed": r["fed"],
                "held_mib": [(a + b) / MIB for a, b in zip(r["kv_bytes"], r["checkpoint_bytes"])],
                "kv_mib": [a / MIB for a in r["kv_bytes"]], "checkpoint_mib": [b / MIB for b in r["checkpoint_bytes"]],
@@ -129,16 +147,17 @@ def render(s: dict) -> str:
     out += ["", "## Decoding after a long prompt", "",
             "Token match: the fraction of the 32 greedy tokens equal to the full cache's at the same position (the "
             "paper's measure), with the agreeing prefix; bytes held after the last step; the decode step's median time "
-            "and its ratio to the full cache's in the same run; for `checkpoint=layer`, the share of step time spent "
-            "recomputing K/V.", ""]
+            "and its ratio to the full cache's on the same samples (the methods run one after another on a machine whose "
+            "load changed over the run: ratios within a few tenths of 1 are noise); for `checkpoint=layer`, the share of "
+            "step time spent recomputing K/V. n: samples (prompts from different offsets of the shipped abstracts).", ""]
     for model in sorted({r["model"] for r in s["decode"]}):
         for length in sorted({r["length"] for r in s["decode"] if r["model"] == model}):
             rows = [r for r in s["decode"] if (r["model"], r["length"]) == (model, length)]
-            out += [f"**{model}, {length}-token prompt** (n = {rows[0]['n']} samples)", "",
-                    "| method | token match | agreeing prefix | held MiB (K/V + checkpoints) | held / full | step ms | step / full | recompute share |",
-                    "|---|---|---|---|---|---|---|---|"]
+            out += [f"**{model}, {length}-token prompt**", "",
+                    "| method | n | token match | agreeing prefix | held MiB (K/V + checkpoints) | held / full | step ms | step / full | recompute share |",
+                    "|---|---|---|---|---|---|---|---|---|"]
             for r in rows:
-                out.append(f"| {r['method']} | {_ci(r['token_match'])} | {_ci(r['prefix_match'])} | {r['held_mib']:.1f} "
+                out.append(f"| {r['method']} | {r['n']} | {_ci(r['token_match'])} | {_ci(r['prefix_match'])} | {r['held_mib']:.1f} "
                            f"({r['kv_mib']:.1f} + {r['checkpoint_mib']:.1f}) | {r['held_vs_full']:.2f} | "
                            f"{_ci(r['step_ms'], 0)} | {_ci(r['step_vs_full'])} | "
                            + (f"{r['recompute_share']:.2f}" if r["method"].startswith("kv-direct:checkpoint=layer") else "–")
@@ -146,7 +165,7 @@ def render(s: dict) -> str:
             out.append("")
     if s["differences"]:
         out += ["Paired differences in token match (KV-Direct minus eviction, same samples; significant: the 95% CI "
-                f"excludes 0, with at least {MIN_PAIRED} samples):", "", "| model | length | KV-Direct | eviction | n | difference | significant |",
+                f"excludes 0, with at least {MIN_PAIRED} samples; length `all`: every length's pairs, stratified by length):", "", "| model | length | KV-Direct | eviction | n | difference | significant |",
                 "|---|---|---|---|---|---|---|"]
         for d in s["differences"]:
             out.append(f"| {d['model']} | {d['length']} | {d['a']} | {d['b']} | {d['n']} | {_ci(d['difference'])} | "
