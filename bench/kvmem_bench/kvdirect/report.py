@@ -192,23 +192,34 @@ def plot(s: dict, folder: Path) -> None:
         fig.savefig(folder / "growth.png", dpi=110)
         plt.close(fig)
     if s["decode"]:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for method in sorted({r["method"] for r in s["decode"]}):
-            for model in sorted({r["model"] for r in s["decode"]}):
-                rs = [r for r in s["decode"] if (r["model"], r["method"]) == (model, method)]
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+        models = sorted({r["model"] for r in s["decode"]})
+        for k, method in enumerate(sorted({r["method"] for r in s["decode"]})):
+            for model in models:
+                rs = sorted((r for r in s["decode"] if (r["model"], r["method"]) == (model, method)), key=lambda r: r["length"])
                 if not rs:
                     continue
-                ax.errorbar([r["held_mib"] for r in rs], [r["token_match"][0] for r in rs],
-                            yerr=[[r["token_match"][0] - r["token_match"][1] for r in rs],
-                                  [r["token_match"][2] - r["token_match"][0] for r in rs]],
-                            marker="o", ms=4, capsize=2, label=f"{method}" + (f" ({model})" if len({r['model'] for r in s['decode']}) > 1 else ""))
-                for r in rs:
-                    ax.annotate(str(r["length"]), (r["held_mib"], r["token_match"][0]), fontsize=6)
-        ax.set_xscale("log")
-        ax.set_xlabel("MiB held after the last step (log; labels: prompt length)")
-        ax.set_ylabel("token match with the full cache")
-        ax.set_title("Token match against bytes held")
-        ax.legend(fontsize=7)
+                label = method + (f" ({model})" if len(models) > 1 else "")
+                x = [r["length"] * (1 + 0.015 * (k - 3)) for r in rs]  # methods side by side at each length
+                axes[0].errorbar(x, [r["token_match"][0] for r in rs],
+                                 yerr=[[r["token_match"][0] - r["token_match"][1] for r in rs],
+                                       [r["token_match"][2] - r["token_match"][0] for r in rs]],
+                                 marker="o", ms=4, capsize=2, label=label)
+                axes[1].plot(x, [r["held_mib"] for r in rs], marker="o", ms=4, label=label)
+                axes[2].errorbar(x, [r["step_vs_full"][0] for r in rs],
+                                 yerr=[[r["step_vs_full"][0] - r["step_vs_full"][1] for r in rs],
+                                       [r["step_vs_full"][2] - r["step_vs_full"][0] for r in rs]],
+                                 marker="o", ms=4, capsize=2, label=label)
+        for ax, title, ylabel in zip(axes, ("Token match with the full cache", "Bytes held after the last step",
+                                            "Decode step time / full cache's"),
+                                     ("token match (95% CI)", "MiB (K/V + checkpoints)", "ratio of medians (95% CI)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens")
+            ax.set_title(title)
+            ax.set_ylabel(ylabel)
+        axes[1].set_yscale("log")
+        axes[2].set_yscale("log")
+        axes[0].legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(folder / "decode.png", dpi=110)
         plt.close(fig)
