@@ -149,7 +149,10 @@ def render(s: dict) -> str:
             "paper's measure), with the agreeing prefix; bytes held after the last step; the decode step's median time "
             "and its ratio to the full cache's on the same samples (the methods run one after another on a machine whose "
             "load changed over the run: ratios within a few tenths of 1 are noise); for `checkpoint=layer`, the share of "
-            "step time spent recomputing K/V. n: samples (prompts from different offsets of the shipped abstracts).", ""]
+            "step time spent recomputing K/V. n: samples (prompts from different offsets of the shipped abstracts). "
+            "Eviction keeps window / length of what each layer holds: on Gemma 3 a sliding layer holds at most 511 "
+            "rows, so eviction keeps about 128 there where KV-Direct keeps 256, and holds fewer bytes (the held "
+            "column).", ""]
     for model in sorted({r["model"] for r in s["decode"]}):
         for length in sorted({r["length"] for r in s["decode"] if r["model"] == model}):
             rows = [r for r in s["decode"] if (r["model"], r["length"]) == (model, length)]
