@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 KVMEM  := $(VENV)/bin/kvmem
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve bench-batching bench-longgen race race-setup clean
+.PHONY: setup redis demo test bench bench-smollm2 bench-gemma bench-cost bench-speed bench-retrieval bench-quant bench-reuse bench-serve bench-batching bench-longgen bench-kvdirect race race-setup clean
 
 $(STAMP): pyproject.toml bench/pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -138,6 +138,14 @@ bench-longgen: setup
 	$(KVMEM) eval --suite longgen --models qwen2.5-coder-0.5b --parts copy $(LONGGEN)
 	$(KVMEM) eval --suite longgen --models smollm2-135m --parts ppl $(LONGGEN)
 	$(PY) -m kvmem_bench.readme longgen
+
+# KV-Direct (issue 36 B): residual checkpoints against the full cache and h2o / streaming-llm / snapkv / tova at the
+# same resident rows (256 a head), 32 greedy tokens after 1k / 2k / 4k-token prompts (checkpoint=tokens decoded at 1k
+# only: a prefill a step), and the bytes held as a conversation grows in 256-token turns to 2k (SmolLM2). About 1 h on
+# one thread of a loaded 2-core machine.
+bench-kvdirect: setup
+	$(KVMEM) eval --suite kvdirect --models smollm2-135m --lengths 1024,2048,4096 --samples 5 --threads 1 --out results/kvdirect
+	$(KVMEM) eval --suite kvdirect --models gemma3-270m --lengths 1024 --samples 2 --parts decode --threads 1 --out results/kvdirect
 
 # The race against kvpress on the suite's prompts (after `make bench`): every press on every sample, but
 # KVzip (4-5 prefills of replay) and observed-attention (an eager prefill) on the first samples a task that

@@ -60,10 +60,10 @@ PARTS_DEFAULT = "ppl,decode,tasks"
 
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow), serve (kvmem serve under load: store on / off, two replicas on one Redis, a soak with Redis restarted), batching (continuous batching: throughput against concurrency beside transformers serve, and the memory-bound case) or longgen (decode-phase compression on long outputs: a 280-token copy task and streaming perplexity)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow), serve (kvmem serve under load: store on / off, two replicas on one Redis, a soak with Redis restarted), batching (continuous batching: throughput against concurrency beside transformers serve, and the memory-bound case), longgen (decode-phase compression on long outputs: a 280-token copy task and streaming perplexity) or kvdirect (KV-Direct's residual checkpoints against the full cache and eviction at the same bytes: token match, bytes held, step time)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
-    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's)."),
+    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's; kvdirect: the eviction baselines)."),
     ratios: str = typer.Option(RATIOS_DEFAULT, help="Comma-separated keep ratios (rag: recompute ratios, default 0.15)."),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks (retrieval: sets) (default: all)."),
     samples: int = typer.Option(3, help="Samples per task and length."),
@@ -76,7 +76,7 @@ def eval_(
     eval_settings: str = typer.Option("agnostic,aware", "--settings", help="longctx: comma-separated settings, agnostic and/or aware (the latter doubles a sample's cost)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
     cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
-    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic, semshare (SemShareKV vs token recycling; not in the default); serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps (default all)."),
+    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic, semshare (SemShareKV vs token recycling; not in the default); serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps; kvdirect: decode, growth (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens); longgen: streaming perplexity texts."),
     every: int = typer.Option(1, help="longgen: decoded tokens between re-compressions (Compressor's every=N)."),
     extra_rows: int = typer.Option(64, help="longgen: rows a head may hold beyond what it kept of the prompt (Compressor's extra_rows)."),
@@ -158,6 +158,19 @@ def eval_(
                                     phases=tuple(p for p in _csv(parts) if p in ("sweep", "memory", "steps")) or ("sweep", "memory", "steps"),
                                     command=shlex.join(["kvmem", *sys.argv[1:]]), log=console.print)
         console.print(f"report: {report}")
+        return
+    if suite == "kvdirect":
+        from kvmem.models import load_model
+        from kvmem_bench.kvdirect.report import write_report
+        from kvmem_bench.kvdirect.runner import KVDirectConfig, run_kvdirect_suite
+
+        for model in _csv(models):
+            cfg = KVDirectConfig(model=model, lengths=_csv(lengths, int), samples=samples, out=out or Path("results/kvdirect"),
+                                 **({"evictions": _csv(methods)} if methods else {}),
+                                 **({"parts": _csv(parts)} if parts != PARTS_DEFAULT else {}))
+            cfg.validate()
+            run_kvdirect_suite(load_model(model), cfg, log=console.print)
+            console.print(f"report: {write_report(cfg.out)}")
         return
     if suite == "longgen":
         from kvmem.models import load_model

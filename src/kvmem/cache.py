@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import Tensor
 from transformers.cache_utils import Cache
 
 from kvmem.attention import ATTENTION_NAME  # noqa: F401  (importing registers kvmem's attention)
@@ -109,6 +110,11 @@ class KVCache(Cache):
     def state_bytes(self) -> int:
         """Bytes of positions and scorer observations held beside the KV."""
         return storage_bytes(t for layer in self.layers for t in layer.state_tensors())
+
+    def forward_inputs(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The tokens (1, n') a forward over `ids` (1, n) runs on this cache and their positions (1, n'), None for the
+        next ones: `ids` as they are. A KV-Direct cache (`kvdirect.py`) runs its checkpointed tokens again before them."""
+        return ids, None
 
     def tokens_held(self) -> list[list[int]]:
         """Tokens held per layer and KV head."""

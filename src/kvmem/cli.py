@@ -62,12 +62,19 @@ def _csv(value: str, kind=str) -> list:
         raise KVMemError(f"cannot read {value!r} as a comma-separated list of {kind.__name__}") from None
 
 
-def _check_cache_options(method: str, keep_ratio: float, quant: str | None) -> None:
+def _check_cache_options(method: str, keep_ratio: float, quant: str | None, store: str | None = None,
+                         serving: bool = False) -> None:
     """The compression method, keep ratio and quantization scheme, checked before a model loads."""
     from kvmem.compress import get_method
     from kvmem.compress.evict import check_keep_ratio
+    from kvmem.kvdirect import check_call, is_kv_direct
     from kvmem.quant import get_scheme
 
+    if is_kv_direct(method):  # not an eviction method: a window of K/V and residual checkpoints (kvdirect.py)
+        if serving:
+            raise KVMemError(f"{method}: the server's batched decoding does not run KV-Direct caches (kvmem generate does)")
+        check_call(method, keep_ratio, quant, store)
+        return
     m = get_method(method)
     if quant:
         get_scheme(quant)
@@ -82,7 +89,9 @@ def generate(
     prompt: str = typer.Option(..., help="The question or instruction, fed after the context."),
     context_file: Optional[Path] = typer.Option(None, help="A text file read (and compressed) before the prompt."),
     model: str = typer.Option("smollm2-135m", help="Registry name, local folder or HF id."),
-    method: str = typer.Option("snapkv", help="Compression method or spec, e.g. kvzip, snapkv:window=64:budget=adaptive (see `kvmem methods`)."),
+    method: str = typer.Option("snapkv", help="Compression method or spec, e.g. kvzip, snapkv:window=64:budget=adaptive (see `kvmem methods`); "
+                               "kv-direct:window=256:checkpoint=layer|tokens (with --keep-ratio 1) keeps the last 256 tokens' KV and "
+                               "residual checkpoints of the rest."),
     keep_ratio: float = typer.Option(0.5, help="Fraction of the context's KV cache kept, in (0, 1]."),
     query_aware: bool = typer.Option(False, help="Compress after reading the prompt too (not reusable across prompts)."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate (stops at end of line)."),
@@ -105,9 +114,10 @@ def generate(
     """Read a context, compress its KV cache, answer the prompt; prints the answer and the memory held. With
     --store, computed KV is kept and a later run on the same context reuses it (and says how much)."""
     from kvmem.generate import REUSE, answer, check_reuse
+    from kvmem.kvdirect import is_kv_direct
     from kvmem.models import load_model
 
-    _check_cache_options(method, keep_ratio, quant)  # fail on a bad option before loading anything
+    _check_cache_options(method, keep_ratio, quant, store)  # fail on a bad option before loading anything
     chunks = index = None
     if reuse not in REUSE:
         raise KVMemError(f"--reuse {reuse}: choose from {', '.join(REUSE)}")
@@ -137,7 +147,8 @@ def generate(
 
         console.print(f"[dim]store {', '.join(t.name for t in chunks.tiers)} ({chunks.codec.spec}): "
                       f"{escape(a.reuse.summary())}[/dim]", highlight=False)
-    console.print(f"[dim]KV held {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
+    held = "KV window + residual checkpoints held" if is_kv_direct(method) else "KV held"
+    console.print(f"[dim]{held} {a.kv_bytes / 2**20:.2f} MiB of {a.kv_bytes_full / 2**20:.2f} MiB "
                   f"({a.kv_bytes / max(a.kv_bytes_full, 1):.2f}), method {method}"
                   f"{f', quantized {quant}' if quant else ''}[/dim]", highlight=False)
 
@@ -282,7 +293,7 @@ def serve(
 
     from kvmem.serve.engine import REUSE_MODES, SEMANTIC_MODES
 
-    _check_cache_options(method, keep_ratio, quant)
+    _check_cache_options(method, keep_ratio, quant, serving=True)
     parse_method(embed_method)
     if reuse not in REUSE_MODES or reuse in ("cacheblend", "infoflow"):
         raise KVMemError(f"--reuse {reuse}: choose from prefix, {', '.join(SEMANTIC_MODES)} (cacheblend and infoflow are "

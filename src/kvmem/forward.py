@@ -21,7 +21,8 @@ def feed(lm: LoadedModel, cache: KVCache, ids: Tensor | list[int]) -> Tensor:
         raise KVMemError(
             f"context too long: {cache.get_seq_length() + ids.shape[1]} tokens > {lm.max_context} that {lm.name} allows"
         )
-    out = lm.model(input_ids=ids.to(lm.model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    ids, positions = cache.forward_inputs(ids.to(lm.model.device))
+    out = lm.model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]
 
 

@@ -17,6 +17,8 @@ from kvmem.cache import KVCache
 from kvmem.compress import Method, ModelContext, compress, compress_while_decoding, get_method
 from kvmem.errors import KVMemError
 from kvmem.forward import feed, feed_pieces
+from kvmem.kvdirect import check_call, is_kv_direct
+from kvmem.kvdirect import new_cache as kv_direct_cache
 from kvmem.models import LoadedModel
 from kvmem.prompts import Prompt, build_prompt
 from kvmem.quant import get_scheme
@@ -218,7 +220,17 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
     except for a decode-phase method (moment-kv): the prompt is kept whole and the cache evicts generated rows at every
     decoding step (`compress_while_decoding`; `query_aware` changes nothing there). With `interrupt` (the server's
     cancelled requests), the prefill runs in pieces and `interrupt()` is called before each; it raises to stop.
-    `reuse`, `index`, `recompute_ratio`: see `answer` (semantic / semshare: the prompt is read whole, uncompressed)."""
+    `reuse`, `index`, `recompute_ratio`: see `answer` (semantic / semshare: the prompt is read whole, uncompressed).
+    `kv-direct[:window=N][:checkpoint=layer|tokens]` (`kvdirect.py`) keeps the last N tokens' K/V and residual
+    checkpoints of the rest: `kv_bytes` is then what it holds (both, measured), `kv_bytes_full` what its layers held after
+    the first forward, before they gave the old tokens' K/V up (measured, the question included)."""
+    if is_kv_direct(method):
+        check_call(method, keep_ratio, quant, store, query_aware)
+        if reuse != "prefix":
+            raise KVMemError(f"{method} recomputes its K/V from checkpoints; it does not take reuse={reuse}")
+        cache = kv_direct_cache(lm, method)
+        logits = feed_pieces(lm, cache, prompt.context + prompt.question, interrupt)
+        return Prepared(cache, logits, cache.prefill_kv_bytes, cache.held_bytes())
     store = check_reuse(reuse, index, store, method, keep_ratio, quant)
     if reuse != "prefix":
         return _prepare_semantic(lm, prompt, reuse, index, store, recompute_ratio, interrupt)

@@ -25,6 +25,7 @@ def check_model(server: Server, name: str) -> None:
 def options(server: Server, body: Generation) -> Options:
     """kvmem's options of this request: its `kvmem` object over the server's defaults, checked."""
     from kvmem.compress import get_method
+    from kvmem.kvdirect import is_kv_direct
     from kvmem.quant import get_scheme
 
     defaults, k = server.defaults, body.kvmem or KVMemOptions()
@@ -34,6 +35,9 @@ def options(server: Server, body: Generation) -> Options:
     if not 0.0 < o.keep_ratio <= 1.0:
         fail(400, f"keep_ratio must be in (0, 1] (the fraction of the KV cache kept); got {o.keep_ratio}",
              param="kvmem.keep_ratio")
+    if is_kv_direct(o.method):
+        fail(400, f"{o.method}: the server's batched decoding does not run KV-Direct caches (kvmem generate and "
+                  "kvmem.answer do)", param="kvmem.method")
     for param, check in (("kvmem.method", lambda: get_method(o.method)),
                          ("kvmem.quant", lambda: o.quant and get_scheme(o.quant))):
         try:
