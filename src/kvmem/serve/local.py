@@ -25,6 +25,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the thread that started it ends (a test run that is killed, or crashes past
+    its fixtures' teardown, leaves no server behind holding a port, memory and CPU)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the `with` block's stop is the only cleanup
+        pass
+
+
 class LocalServer:
     def __init__(self, args: list[str] = (), model: str = "smollm2-135m", log: Path | None = None,
                  startup_s: float = 120.0, env: dict | None = None):
@@ -46,7 +57,8 @@ class LocalServer:
     def start(self) -> LocalServer:
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}, start_new_session=True)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
