@@ -210,6 +210,6 @@ def test_a_tiny_benchmark_run_end_to_end(smollm2, tmp_path):
         ("decode", m) for m in cfg.methods()} | {("growth", m) for m in cfg.methods() if m != "streaming-llm"}
     tokens = next(r for r in records if r["part"] == "growth" and "tokens" in r["method"])
     assert tokens["checkpoint_bytes"] == [64, 128, 160] and len(set(tokens["kv_bytes"][1:])) == 1
-    assert "| full | 1.00 [1.00, 1.00]" in write_report(tmp_path).read_text()
+    assert "| full | 1 | 1.00 [1.00, 1.00]" in write_report(tmp_path).read_text()
     with pytest.raises(KVMemError, match="must exceed the window"):
         KVDirectConfig(model="m", lengths=[16], window=16).validate()

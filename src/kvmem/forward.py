@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import Cache
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
@@ -12,7 +13,7 @@ from kvmem.models import LoadedModel
 
 
 @torch.no_grad()
-def feed(lm: LoadedModel, cache: KVCache, ids: Tensor | list[int]) -> Tensor:
+def feed(lm: LoadedModel, cache: KVCache | Cache, ids: Tensor | list[int]) -> Tensor:
     """Run `ids` through the model on top of `cache`; returns the logits of the last token."""
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
     if ids.shape[1] == 0:
@@ -21,7 +22,9 @@ def feed(lm: LoadedModel, cache: KVCache, ids: Tensor | list[int]) -> Tensor:
         raise KVMemError(
             f"context too long: {cache.get_seq_length() + ids.shape[1]} tokens > {lm.max_context} that {lm.name} allows"
         )
-    ids, positions = cache.forward_inputs(ids.to(lm.model.device))
+    ids, positions = ids.to(lm.model.device), None
+    if isinstance(cache, KVCache):  # transformers' own caches (the speed benchmark's baseline) take `ids` as they are
+        ids, positions = cache.forward_inputs(ids)
     out = lm.model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]
 
