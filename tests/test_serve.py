@@ -28,7 +28,9 @@ COUNT = [{"role": "user", "content": "Count from 1 to 20, one number per line."}
 
 @pytest.fixture(scope="module")
 def server():
-    with LocalServer(["--store", "memory", "--queue", "1", "--threads", "2", "--max-n", "2"]) as s:
+    # one torch thread, as every test server: beside the other pytest worker a 2-thread server waits for its
+    # descheduled second thread at every parallel region (60 tokens took 102 s under `make test`; with one thread under 20 s)
+    with LocalServer(["--store", "memory", "--queue", "1", "--threads", "1", "--max-n", "2"]) as s:
         yield s
 
 
@@ -394,7 +396,7 @@ def test_gemma_sliding_window_reuse_through_the_server():
     """Gemma-3 (MQA, sliding 512 + global layers): a system prompt longer than the window, stored by one request,
     is loaded by the next, and greedy decoding from it is the same as from the computed prompt."""
     messages = [{"role": "system", "content": system_prompt(3)}, {"role": "user", "content": "Summarize the first one."}]
-    with LocalServer(["--store", "memory", "--threads", "2"], model="gemma3-270m") as s:
+    with LocalServer(["--store", "memory", "--threads", "1"], model="gemma3-270m") as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
         ask = lambda: client.chat.completions.create(model="gemma3-270m", messages=messages, temperature=0,  # noqa: E731
                                                      max_tokens=8)

@@ -64,7 +64,7 @@ def together(server, calls: list, stagger_s: float = 0.4) -> tuple[list, int]:
 
 @pytest.fixture(scope="module")
 def server():
-    with LocalServer(["--threads", "2", "--kv-budget", "1GiB", "--max-n", "2"]) as s:
+    with LocalServer(["--threads", "1", "--kv-budget", "1GiB", "--max-n", "2"]) as s:
         yield s
 
 
@@ -179,7 +179,7 @@ def test_admission_by_kv_bytes_queue_429_and_a_request_too_large(smollm2):
     messages = [{"role": "system", "content": system_prompt(2)}, *count(1)]
     tokens = len(chat_prompt(smollm2.tokenizer, messages).ids)
     budget = int(1.6 * tokens * per_token)
-    with LocalServer(["--threads", "2", "--kv-budget", f"{budget}B", "--queue", "1"]) as server:
+    with LocalServer(["--threads", "1", "--kv-budget", f"{budget}B", "--queue", "1"]) as server:
         compressed = {"method": "snapkv", "keep_ratio": 0.25}
         ask(server, messages, 4, compressed)  # the server measures what this configuration keeps
         long = dict(max_tokens=40, kvmem={"ignore_eos": True})
@@ -206,7 +206,7 @@ def test_preemption_swaps_the_newest_row_to_disk_and_resumes_it(smollm2):
     prompts = [[{"role": "system", "content": system_prompt(1)}, *count(i)] for i in (1, 2)]
     prefilled = sum(prepare(smollm2, chat_prompt(smollm2.tokenizer, m)).cache.kv_bytes() for m in prompts)
     budget = prefilled + 32 * kv_bytes_per_token(smollm2)  # both prefills, not the 65 rows a full buffer grows by
-    with LocalServer(["--threads", "2", "--kv-budget", f"{budget}B"]) as server:
+    with LocalServer(["--threads", "1", "--kv-budget", f"{budget}B"]) as server:
         alone = [ask(server, m, 80, {"ignore_eos": True}).choices[0].message.content for m in prompts]
         results, _ = together(server, [lambda m=m: ask(server, m, 80, {"ignore_eos": True}) for m in prompts], stagger_s=0.3)
         assert [r.choices[0].message.content for r in results] == alone
@@ -219,7 +219,7 @@ def test_gemma_rows_answer_as_alone_in_the_batch():
     """Gemma-3 (sliding and global layers): concurrent requests with different methods answer as they do alone."""
     system = {"role": "system", "content": system_prompt(2)}
     options = [{"method": "full"}, {"method": "keydiff", "keep_ratio": 0.5}, {"method": "full", "quant": "kivi-4"}]
-    with LocalServer(["--threads", "2", "--kv-budget", "1GiB"], model="gemma3-270m") as server:
+    with LocalServer(["--threads", "1", "--kv-budget", "1GiB"], model="gemma3-270m") as server:
         messages = [[system, *count(i)] for i in range(len(options))]
         alone = [ask(server, m, 24, o, model="gemma3-270m").choices[0].message.content for m, o in zip(messages, options)]
         results, most = together(server, [lambda m=m, o=o: ask(server, m, 24, o, model="gemma3-270m")
