@@ -78,19 +78,24 @@ def _timed(fn):
     return time.perf_counter() - t, out
 
 
+def _fresh_records(n: int, threads: int | None, out: Path, name: str) -> Path:
+    """Checks the pair count, sets the thread count, and empties OUT/NAME, the run's records file."""
+    if n < 1:
+        raise KVMemError(f"n must be >= 1 pair, got {n}")
+    if threads:
+        torch.set_num_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text("")
+    return out / name
+
+
 @torch.no_grad()
 def run_semantic(lm, n: int = 20, out: Path = Path("results/reuse"), chunk_size: int = 256, embedder="minilm",
                  k: int = 4, answer_tokens: int = 16, threads: int | None = 1, seed: int = 0, log=print) -> dict:
     """Run the benchmark (see the module doc) on a loaded model; writes OUT/semantic.jsonl (replaced) and returns
     the summary (also written as OUT/semantic_summary.json)."""
-    if n < 1:
-        raise KVMemError(f"n must be >= 1 pair, got {n}")
-    if threads:
-        torch.set_num_threads(threads)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "semantic.jsonl"
-    path.write_text("")
+    path = _fresh_records(n, threads, out, "semantic.jsonl")
     chunk_store = ChunkStore("memory?max=64GiB", chunk_size=chunk_size)
     index = SemanticIndex(ChunkStore("memory?max=64GiB", chunk_size=chunk_size), embedder)
     config = lm.model.config
@@ -221,14 +226,8 @@ def run_similar(lm, n: int = 24, out: Path = Path("results/reuse"), ratios=(0.15
     the summary (also OUT/semshare-MODEL.json)."""
     from kvmem.reuse.semshare import prefill_semshare
 
-    if n < 1:
-        raise KVMemError(f"n must be >= 1 pair, got {n}")
-    if threads:
-        torch.set_num_threads(threads)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"semshare-{lm.name}.jsonl"
-    path.write_text("")
+    path = _fresh_records(n, threads, out, f"semshare-{lm.name}.jsonl")
     index = SemanticIndex(ChunkStore("memory?max=64GiB", chunk_size=chunk_size), embedder)
     new = lambda: KVCache(lm.model.config)  # noqa: E731
     warm = build_prompt(lm.tokenizer, load_abstracts()[0], QUESTIONS[0][0], raw=raw_prompt).ids
