@@ -167,6 +167,19 @@ def test_an_offloaded_cache_answers_through_the_one_call_path(smollm2):
         assert a.tokens and a.kv_bytes <= 0.27 * a.kv_bytes_full, (policy, a.kv_bytes / a.kv_bytes_full)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_short_prompt_is_answered_with_nothing_offloaded(prefilled, policy):
+    """A context that fits in the sink and recent rows (resident anyway) leaves every layer as it is, and the answer
+    is the full cache's, token for token, rather than an error."""
+    from kvmem.generate import answer
+
+    lm = prefilled[0]
+    context = FACTS[2]  # about a dozen tokens, under sink=4 + recent=32
+    full = answer(lm, context, "Who is the lighthouse keeper?", "full", 1.0, max_new_tokens=6)
+    short = answer(lm, context, "Who is the lighthouse keeper?", policy, 0.1, max_new_tokens=6)
+    assert short.tokens == full.tokens and short.kv_bytes == full.kv_bytes
+
+
 @pytest.mark.parametrize("spec, match", [("sentencekv:tier=int3", "tier"), ("ltri:span=0", "span"),
                                          ("louiskv:threshold=2", "threshold"), ("actqkv:mass=0", "mass"),
                                          ("sentencekv:sink=-1", "sink"), ("louiskv:cluster=0", "cluster"),

@@ -68,7 +68,10 @@ class OffloadMethod(Method):
         for i, (layer, ratio) in enumerate(zip(cache.layers, ratios)):
             if ratio >= 1.0 or layer.is_sliding or not layer.is_initialized:
                 continue
-            layer.rows = offload_layer(layer, self, ratio, None if context is None else list(context.ids), protect_from)
+            offloaded = offload_layer(layer, self, ratio, None if context is None else list(context.ids), protect_from)
+            if offloaded is None:  # a short context: every row is a sink or recent row, resident anyway
+                continue
+            layer.rows = offloaded
             layer.compressed = True
             layer.observation.stop()  # its rows are no longer the ones a scorer observed
         return CompressionResult(before[0], cache.kv_bytes(), before[1], sum(map(sum, cache.tokens_held())))

@@ -188,11 +188,12 @@ class OffloadedRows(Rows):
 
 
 def offload_layer(layer, method: "OffloadMethod", keep_ratio: float, ids: list[int] | None,
-                  protect_from: int | None = None) -> OffloadedRows:
+                  protect_from: int | None = None) -> OffloadedRows | None:
     """`layer`'s rows (every head holding the same context rows) split into a tier and a resident working set whose
     bytes are at most `keep_ratio` of the context rows' bytes in the model's dtype: sinks, recent rows, the resident
     index, and the retrieved rows' buffer (what is left of the budget). Rows at positions >= `protect_from` stay
-    resident, outside the budget."""
+    resident, outside the budget. None when the context fits in the sink and recent rows, which stay resident anyway:
+    there is nothing to offload (a short prompt), and the layer is left as it is."""
     stacked = layer.rows.stacked()
     if stacked is None or type(layer.rows).__name__ != "DenseRows" or layer.quant is not None or layer.evicted():
         raise KVMemError(f"{method.name} offloads a full-precision cache whose heads hold the same rows (no eviction "
@@ -203,8 +204,7 @@ def offload_layer(layer, method: "OffloadMethod", keep_ratio: float, ids: list[i
     sink, recent = min(method.sink, n), min(method.recent, max(n - method.sink, 0))
     middle = slice(sink, n - recent)
     if n - sink - recent <= 0:
-        raise KVMemError(f"{method.name}: the context ({n} tokens) fits in sink={method.sink} + recent={method.recent}; "
-                         "nothing to offload")
+        return None
     mk, mv, mp = keys[:, middle], values[:, middle], positions[:, middle]
     index = method.build_index(mk, mp, ids, layer)
     row_bytes = mk.shape[0] * (mk.shape[-1] + mv.shape[-1]) * mk.element_size()  # one token, every head
