@@ -166,6 +166,29 @@ def test_unpacked_tensors_are_the_packed_ones_and_never_alias_the_stored_bytes()
     assert again["k"].abs().sum() > 0 and torch.equal(again["p"], torch.arange(5, dtype=torch.int32))
 
 
+def test_views_read_the_stored_bytes_in_place_and_the_prefix_loader_never_writes_them():
+    """`unpack(views=True)` (the prefix loader's reads): the same tensors, in the blob's own memory (no copy); a warm
+    prefill through a memory tier leaves every stored chunk byte for byte as it was written."""
+    import numpy as np
+
+    blob = chunk.pack({"k": torch.randn(5, 4), "p": torch.arange(5, dtype=torch.int32)}, {"x": 1})
+    start = np.frombuffer(blob, dtype=np.uint8).ctypes.data
+    viewed, header = chunk.unpack(blob, views=True)
+    copied, _ = chunk.unpack(blob)
+    assert header == {"x": 1} and all(torch.equal(viewed[k], copied[k]) for k in copied)
+    assert all(start <= t.data_ptr() < start + len(blob) for t in viewed.values())
+    assert not any(start <= t.data_ptr() < start + len(blob) for t in copied.values())
+    lm = tiny_lm("llama")
+    tier = MemoryTier()
+    store = ChunkStore([tier], chunk_size=16)
+    run(lm, store)
+    before = {k: bytearray(v) for k, v in tier._items.items()}  # copies: the blobs themselves are what is viewed
+    cold, _, _ = run(lm, None)
+    warm, report, _ = run(lm, store)
+    assert report.reused_tokens == 80 and torch.equal(cold, warm)
+    assert {k: bytearray(v) for k, v in tier._items.items()} == before  # the same bytes under the same keys
+
+
 @pytest.mark.parametrize("kind", ["truncated", "flipped byte", "other model", "other tokenizer", "old codec version", "wrong rows"])
 def test_a_damaged_chunk_is_detected_and_recomputed(lm, kind):
     reference, _, _ = run(lm, ChunkStore("memory", chunk_size=16))

@@ -135,7 +135,7 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
     for i, key in enumerate(keys):
         if (i + 1) * n > limit:
             break
-        got = store.load(lm, key, i * n, n)
+        got = store.load(lm, key, i * n, n, views=True)  # import_chunks copies the rows
         if got is None:
             break
         loaded.append(got.layers)
@@ -146,7 +146,7 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
     if store is not None and context_end is not None and context_end % n:
         tail_key = store.span_key(lm, ids[:context_end], TAIL)
         if start == context_end // n * n and context_end <= limit:
-            got = store.load(lm, tail_key, start, context_end - start, TAIL, exact=True)
+            got = store.load(lm, tail_key, start, context_end - start, TAIL, exact=True, views=True)
             if got is not None:
                 loaded.append(got.layers)
                 report.add_load(got, context_end - start)

@@ -229,16 +229,17 @@ class ChunkStore:
         return self.put_bytes(key, chunk.pack(tensors, header))
 
     def load(self, lm, key: str, start: int, tokens: int, compression: str | None = None,
-             exact: bool | None = None) -> Loaded | None:
+             exact: bool | None = None, views: bool = False) -> Loaded | None:
         """The verified rows of one chunk, or None (a miss, or a chunk that failed verification: discarded).
-        `exact` (default: when uncompressed): every layer must hold every position an uncompressed layer holds."""
+        `exact` (default: when uncompressed): every layer must hold every position an uncompressed layer holds.
+        `views`: raw rows may view the stored bytes (`chunk.unpack`): for a caller that copies them before any write."""
         t0 = time.perf_counter()
         blob, tier = self.get_bytes(key)
         if blob is None:
             return None
         t1 = time.perf_counter()
         try:
-            tensors, header = chunk.unpack(blob)
+            tensors, header = chunk.unpack(blob, views)
             want = self._header(lm, key, start, tokens, compression)
             wrong = [f"{k} is {header.get(k)!r}, expected {v!r}" for k, v in want.items() if header.get(k) != v]
             if wrong:
