@@ -124,6 +124,28 @@ def test_padded_rows_hold_what_ragged_rows_hold(lengths, appends, grow):
     assert sum(t.nbytes for t in padded.kv_tensors()) >= 2 * 8 * 4 * max(padded.lengths()) * len(lengths)
 
 
+def test_only_rows_laid_out_for_the_storage_and_offered_are_adopted_without_a_copy():
+    """`store_rows(adopt=True)` takes (H, n + spare, D) buffers whose heads are `buffer[h, :n]` as its storage (the
+    prefix loader joins chunks there); anything else, or the same heads not offered, is copied: a storage never
+    shares memory with rows it was not handed to own."""
+    from kvmem.rows import store_rows
+
+    n, spare = 5, 3
+    k, v = torch.randn(2, n + spare, 4), torch.randn(2, n + spare, 4)
+    p = torch.arange(n + spare, dtype=torch.int32).repeat(2, 1).contiguous()
+    heads = lambda t: [t[h, :n] for h in range(2)]  # noqa: E731
+    adopted = store_rows(heads(k), heads(v), heads(p), spare=spare, adopt=True)
+    assert adopted.k is k and adopted.v is v and adopted.p is p and adopted.n == n
+    adopted.append(torch.ones(2, 1, 4), torch.ones(2, 1, 4), torch.tensor([n], dtype=torch.int32))
+    assert adopted.k is k and torch.equal(k[:, n], torch.ones(2, 4))  # the spare rows are used in place
+    copied = store_rows(heads(k), heads(v), heads(p), spare=spare)
+    assert copied.k is not k and copied.k.data_ptr() != k.data_ptr()
+    short = torch.randn(2, n, 4)  # no room for the spare rows: copied into a buffer that has it
+    assert store_rows(heads(short), heads(short), heads(p), spare=spare, adopt=True).k.data_ptr() != short.data_ptr()
+    three = torch.randn(3, n + spare, 4)  # two heads of a three-head buffer
+    assert store_rows(heads(three), heads(three), heads(p), spare=spare, adopt=True).k.data_ptr() != three.data_ptr()
+
+
 def test_rope_round_trip_and_move():
     freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     k, p = torch.randn(2, 6, 16), torch.tensor([0, 1, 5, 90, 1000, 8000])

@@ -94,11 +94,12 @@ class KVLayer(CacheLayerMixin):
             head["log_weights"] = w.clone()
         return out
 
-    def import_rows(self, rows: ExportedRows, next_position: int | None = None, spare: int = 0) -> None:
+    def import_rows(self, rows: ExportedRows, next_position: int | None = None, spare: int = 0,
+                    adopt: bool = False) -> None:
         """Replace what this layer holds with `rows` (checked against the layer). Decoding continues at
         `next_position` (default: after the last row). Observation starts afresh. Rows exported encoded (a
         quantized layer's `export_rows`) come back exactly as they were, into a layer of the same scheme.
-        `spare`: free rows for tokens about to follow (`rows.store_rows`)."""
+        `spare`: free rows for tokens about to follow, `adopt`: take the rows' buffers as they are (`rows.store_rows`)."""
         encoded = rows.codec != "raw"
         if encoded:
             if self.quant is None:
@@ -114,9 +115,9 @@ class KVLayer(CacheLayerMixin):
             self.is_initialized = True
         elif self.is_initialized:
             stored = import_rows(rows, self.num_heads, self.head_keys[0].shape[-1] if self.num_heads else None, self.dtype,
-                                 spare)
+                                 spare, adopt)
         else:
-            stored = import_rows(rows, spare=spare)
+            stored = import_rows(rows, spare=spare, adopt=adopt)
             self.dtype, self.device = rows.heads[0]["keys"].dtype, rows.heads[0]["keys"].device
             self.is_initialized = True
         weights = [h.get("log_weights") for h in rows.heads]

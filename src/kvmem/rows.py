@@ -255,13 +255,18 @@ def empty_rows(heads: int, head_dim: int, dtype: torch.dtype, device: torch.devi
 
 
 def store_rows(keys: list[Tensor], values: list[Tensor], positions: list[Tensor], grow: int = GROW,
-               padded: bool = False, spare: int = 0) -> Rows:
+               padded: bool = False, spare: int = 0, adopt: bool = False) -> Rows:
     """Exactly these rows per head: dense if every head holds as many, ragged otherwise (`padded`: in one buffer,
     for short rows); `grow` free rows are added whenever appends fill the buffers (0: every append reallocates to
     the exact size). `spare`: free rows after dense rows from the start (rows about to be appended to: a question
-    after a loaded context would otherwise copy the whole buffer to grow it)."""
+    after a loaded context would otherwise copy the whole buffer to grow it). `adopt`: the caller made the heads as
+    `buffer[h, :n]` of fresh (H, >= n + spare, ...) buffers for this storage alone (`reuse.prefix.import_chunks`),
+    which become the storage without a copy (heads laid out otherwise are copied)."""
     n = [k.shape[0] for k in keys]
     if len(set(n)) == 1:
+        laid_out = [_laid_out(ts, n[0] + spare) for ts in (keys, values, positions)] if adopt else [None]
+        if all(b is not None for b in laid_out):
+            return DenseRows(*laid_out, n[0], grow)
         if not spare:
             return DenseRows(torch.stack(keys), torch.stack(values), torch.stack(positions), n[0], grow)
         k, v, p = (torch.empty((len(ts), n[0] + spare, *ts[0].shape[1:]), dtype=ts[0].dtype, device=ts[0].device)
@@ -282,15 +287,26 @@ def _head_buffers(rows) -> tuple[list[Tensor], list[Tensor]]:
     return cached[2], cached[3]
 
 
+def _laid_out(heads: list[Tensor], capacity: int) -> Tensor | None:
+    """The contiguous (H, >= capacity, ...) buffer whose heads start with `heads` (`heads[h]` is `buffer[h, :n]`),
+    or None: rows a caller already joined where a DenseRows keeps them, adopted without a copy."""
+    base = heads[0]._base
+    if base is None or base.dim() != heads[0].dim() + 1 or base.shape[0] != len(heads) or base.shape[1] < capacity \
+            or not base.is_contiguous():
+        return None
+    return base if all(t._base is base and t.is_contiguous() and t.data_ptr() == base[h].data_ptr()
+                       for h, t in enumerate(heads)) else None
+
+
 def _own(t: Tensor) -> Tensor:
     """`t` in storage of its own size (a view would keep its whole base tensor alive)."""
     return t if t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def import_rows(rows: ExportedRows, heads: int | None = None, head_dim: int | None = None,
-                dtype: torch.dtype | None = None, spare: int = 0) -> Rows:
+                dtype: torch.dtype | None = None, spare: int = 0, adopt: bool = False) -> Rows:
     """Storage for exported rows, checked first: every head's keys, values and positions agree in length,
-    positions increase, and (when given) the head count, head_dim and dtype match the layer. `spare`: see
+    positions increase, and (when given) the head count, head_dim and dtype match the layer. `spare`, `adopt`: see
     `store_rows`."""
     if rows.codec != "raw":
         raise KVMemError(f"rows use codec {rows.codec!r}; this storage reads 'raw' rows")
@@ -311,4 +327,4 @@ def import_rows(rows: ExportedRows, heads: int | None = None, head_dim: int | No
         if p.dtype != torch.int32 or (p.numel() > 1 and not bool((p[1:] > p[:-1]).all())) or (p.numel() and int(p[0]) < 0):
             raise KVMemError(f"head {h}: positions must be int32, non-negative and increasing")
     return store_rows([h["keys"] for h in rows.heads], [h["values"] for h in rows.heads],
-                      [h["positions"] for h in rows.heads], spare=spare)
+                      [h["positions"] for h in rows.heads], spare=spare, adopt=adopt)

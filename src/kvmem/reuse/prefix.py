@@ -92,15 +92,37 @@ def import_chunks(cache: KVCache, chunks: list[list[ExportedRows]], next_positio
     if any(layer.is_initialized for layer in cache.layers):
         raise KVMemError("stored chunks load into an empty cache only")
     for l, layer in enumerate(cache.layers):
-        heads = []
-        for h in range(len(chunks[0][l].heads)):
-            parts = [c[l].heads[h] for c in chunks]
-            head = {f: torch.cat([p[f] for p in parts]) for f in parts[0]}
-            if layer.is_sliding:
-                keep = (head["positions"] > next_position - layer.sliding_window).nonzero().flatten()
-                head = {f: t.index_select(0, keep) for f, t in head.items()}
-            heads.append(head)
-        layer.import_rows(ExportedRows(heads), next_position, spare)
+        parts = [[c[l].heads[h] for c in chunks] for h in range(len(chunks[0][l].heads))]
+        rows = None if layer.is_sliding else _joined_in_place(parts, spare)
+        adopt = rows is not None
+        if rows is None:
+            heads = []
+            for head_parts in parts:
+                head = {f: torch.cat([p[f] for p in head_parts]) for f in head_parts[0]}
+                if layer.is_sliding:
+                    keep = (head["positions"] > next_position - layer.sliding_window).nonzero().flatten()
+                    head = {f: t.index_select(0, keep) for f, t in head.items()}
+                heads.append(head)
+            rows = ExportedRows(heads)
+        layer.import_rows(rows, next_position, spare, adopt)
+
+
+def _joined_in_place(parts: list[list[dict]], spare: int) -> ExportedRows | None:
+    """Every head's chunks joined straight into one (H, rows + spare, D) buffer per field, which the layer adopts as
+    its storage (`rows.store_rows`): one copy of the loaded rows instead of two (at 8k tokens of SmolLM2, 378 MB and
+    its page faults). None where heads differ in length or carry more than keys, values and positions."""
+    if any(set(p) != {"keys", "values", "positions"} for head in parts for p in head):
+        return None
+    n = {sum(p["positions"].shape[0] for p in head) for head in parts}
+    if len(n) != 1:
+        return None
+    n = n.pop()
+    buffers = {f: torch.empty((len(parts), n + spare, *parts[0][0][f].shape[1:]), dtype=parts[0][0][f].dtype)
+               for f in ("keys", "values", "positions")}
+    for h, head in enumerate(parts):
+        for f, buffer in buffers.items():
+            torch.cat([p[f] for p in head], out=buffer[h, :n])
+    return ExportedRows([{f: buffer[h, :n] for f, buffer in buffers.items()} for h in range(len(parts))])
 
 
 TAIL = "context-tail"  # the namespace of a context's last, partial chunk (valid for exactly that context)
