@@ -405,3 +405,48 @@ def test_a_context_tail_is_reused_for_another_question(kind):
     with pytest.warns(StoreWarning, match="discarded"):
         again, third = prefill(lm, KVCache(lm.model.config), doc + q2, store, context_end=len(doc))
     assert third.reused_tokens == 64 and torch.equal(again, cold)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_a_context_tail_is_found_when_the_prompt_goes_on_past_the_context_end(kind):
+    """A long question completes a chunk past the context's end: that chunk (context and question) misses for
+    another question, and the context's partial last chunk is still found."""
+    lm = tiny_lm(kind)
+    doc, q1, q2 = IDS[:70], list(range(20, 50)), list(range(60, 90))  # the prompts' chunk 4 holds 6 + 10 question tokens
+    store = ChunkStore("memory", chunk_size=16)
+    prefill(lm, KVCache(lm.model.config), doc + q1, store, context_end=len(doc))
+    warm, second = prefill(lm, KVCache(lm.model.config), doc + q2, store, context_end=len(doc))
+    assert second.reused_tokens == 70 and second.computed_tokens == 30
+    cold, _ = prefill(lm, KVCache(lm.model.config), doc + q2, ChunkStore("memory", chunk_size=16), context_end=len(doc))
+    assert torch.equal(warm, cold)
+
+
+class CountingTier(MemoryTier):
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def get(self, key):
+        self.reads.append(key)
+        return super().get(key)
+
+
+def test_a_run_of_loads_reads_one_ahead_and_stops_at_the_first_miss():
+    """`load_run` gives what `load` gives, piece by piece, and after a miss reads nothing more (a verification
+    failure costs at most the one piece read ahead)."""
+    lm = tiny_lm("llama")
+    tier = CountingTier()
+    store = ChunkStore([tier], chunk_size=16)
+    run(lm, store)
+    keys = store.keys(lm, IDS)
+    pieces = [(k, i * 16, 16, None, None) for i, k in enumerate(keys)]
+    one_by_one = [store.load(lm, k, s, t) for k, s, t, _, _ in pieces]
+    tier.reads.clear()
+    together = list(store.load_run(lm, pieces))
+    assert tier.reads == keys and len(together) == len(one_by_one) == 5
+    for a, b in zip(together, one_by_one):
+        assert all(torch.equal(x["keys"], y["keys"]) for la, lb in zip(a.layers, b.layers) for x, y in zip(la.heads, lb.heads))
+    tier.delete(keys[2])
+    tier.reads.clear()
+    got = list(store.load_run(lm, pieces))
+    assert [g is not None for g in got] == [True, True, False] and tier.reads == keys[:3]

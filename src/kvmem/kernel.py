@@ -26,7 +26,6 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)

@@ -153,27 +153,32 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
     n = store.chunk_size if store is not None else len(ids)
     limit = len(ids) - max(min_tail, 1)  # tokens that may come from the store
     keys = store.keys(lm, ids) if store is not None else []
-    loaded: list[list[ExportedRows]] = []
-    for i, key in enumerate(keys):
-        if (i + 1) * n > limit:
-            break
-        got = store.load(lm, key, i * n, n, views=True)  # import_chunks copies the rows
-        if got is None:
-            break
-        loaded.append(got.layers)
-        report.add_load(got, n)
-    report.chunks_loaded = len(loaded)
-    start = len(loaded) * n
+    # the stored prefix: full chunks, then the context's partial last chunk (stored under a key of exactly the
+    # context), read one ahead of their verification and in place (import_chunks copies the rows)
+    pieces = [(key, i * n, n, None, None) for i, key in enumerate(keys) if (i + 1) * n <= limit]
     tail_key = None
     if store is not None and context_end is not None and context_end % n:
         tail_key = store.span_key(lm, ids[:context_end], TAIL)
-        if start == context_end // n * n and context_end <= limit:
-            got = store.load(lm, tail_key, start, context_end - start, TAIL, exact=True, views=True)
-            if got is not None:
-                loaded.append(got.layers)
-                report.add_load(got, context_end - start)
-                report.chunks_loaded += 1
-                start, tail_key = context_end, None  # stored already
+        if len(pieces) == context_end // n and context_end <= limit:
+            pieces.append((tail_key, len(pieces) * n, context_end % n, TAIL, True))
+    loaded: list[list[ExportedRows]] = []
+    start = 0
+    for piece, got in zip(pieces, store.load_run(lm, pieces, views=True) if pieces else ()):
+        if got is None:
+            break
+        loaded.append(got.layers)
+        report.add_load(got, piece[2])
+        start = piece[1] + piece[2]
+    if tail_key is not None and start == context_end and loaded:
+        tail_key = None  # loaded, so stored already
+    elif tail_key is not None and start == context_end // n * n and context_end <= limit and pieces[-1][3] != TAIL:
+        # the prompt's chunks went on past the context and missed where it ends: its partial last chunk may be stored
+        got = store.load(lm, tail_key, start, context_end - start, TAIL, exact=True, views=True)
+        if got is not None:
+            loaded.append(got.layers)
+            report.add_load(got, context_end - start)
+            start, tail_key = context_end, None
+    report.chunks_loaded = len(loaded)
     if loaded:
         t = time.perf_counter()
         import_chunks(cache, loaded, start, spare=len(ids) - start + GROW)  # the rest and the first answer tokens

@@ -23,6 +23,8 @@ import threading
 import time
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import torch
 
@@ -235,6 +237,31 @@ class ChunkStore:
         `views`: raw rows may view the stored bytes (`chunk.unpack`): for a caller that copies them before any write."""
         t0 = time.perf_counter()
         blob, tier = self.get_bytes(key)
+        return self._verified(lm, key, start, tokens, compression, exact, views, blob, tier, time.perf_counter() - t0)
+
+    def load_run(self, lm, pieces: list[tuple], views: bool = False) -> Iterator[Loaded | None]:
+        """`load` of each piece, `(key, start, tokens, compression, exact)`, in order, reading the next piece's bytes in
+        a thread while this one is verified and decoded: a disk or Redis read overlaps the CPU's work (the GIL is
+        released while bytes arrive). Each Loaded's `read_s` is the time spent waiting for its bytes. A caller stops
+        at the first None; what was read ahead for the piece after it is the only read wasted."""
+        def read(key: str) -> tuple:
+            t = time.perf_counter()
+            return (*self.get_bytes(key), t)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="kvmem-read") as pool:
+            ahead = pool.submit(read, pieces[0][0]) if pieces else None
+            for i, (key, start, tokens, compression, exact) in enumerate(pieces):
+                t0 = time.perf_counter()
+                blob, tier, began = ahead.result()
+                waited = time.perf_counter() - max(t0, began)
+                ahead = pool.submit(read, pieces[i + 1][0]) if blob is not None and i + 1 < len(pieces) else None
+                got = self._verified(lm, key, start, tokens, compression, exact, views, blob, tier, waited)
+                yield got
+                if got is None:
+                    return
+
+    def _verified(self, lm, key: str, start: int, tokens: int, compression: str | None, exact: bool | None,
+                  views: bool, blob: bytes | None, tier: str | None, read_s: float) -> Loaded | None:
         if blob is None:
             return None
         t1 = time.perf_counter()
@@ -252,7 +279,7 @@ class ChunkStore:
                           stacklevel=2)
             self.discard(key)
             return None
-        return Loaded(layers, tier, len(blob), t1 - t0, time.perf_counter() - t1, header.get("compute_s"),
+        return Loaded(layers, tier, len(blob), read_s, time.perf_counter() - t1, header.get("compute_s"),
                       header.get("info"))
 
 

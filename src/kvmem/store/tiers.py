@@ -16,7 +16,6 @@ counts and warns about without giving up the whole tier) while the other nodes k
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import re
 import tempfile
@@ -139,12 +138,8 @@ class DiskTier(Tier):
     def get(self, key: str) -> bytes | None:
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    return b""
-                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
-                    blob = m[:]
+            with open(path, "rb", buffering=0) as f:
+                blob = f.readall()  # read(2) releases the GIL: a read-ahead thread overlaps the verifying one
         except FileNotFoundError:
             return None
         if not self.readonly and self.max_bytes is not None:
