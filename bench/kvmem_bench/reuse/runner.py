@@ -103,6 +103,19 @@ def _document(lm, length: int) -> tuple[list[int], list[int]]:
     return ids[:n], ids[n:]
 
 
+def _raw_read_s(tier, keys: list[str], drop: bool) -> float:
+    """The time to read the stored bytes and nothing else (the tier's `get` of every piece, one after another, the
+    page cache dropped first for disk where the process may): what a load's read, verify, decode and import are
+    measured against."""
+    if drop:
+        _drop_page_cache()
+    t = time.perf_counter()
+    for key in keys:
+        if tier.get(key) is None:
+            raise KVMemError(f"{tier.name}: stored piece {key[:12]} vanished before its raw read")
+    return time.perf_counter() - t
+
+
 def _median_run(fn, repeats: int) -> tuple[float, object]:
     times, last = [], None
     for _ in range(repeats):
@@ -188,12 +201,14 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
                     return prefill(lm, c, second, store, context_end=len(doc))[1]
 
                 ttft, report = _median_run(warm, cfg.repeats)
+                raw_read_s = _raw_read_s(tier, [e[0] for e in entries], name == "disk")
                 if report.reused_tokens != len(doc):
                     raise KVMemError(f"{name}/{codec}: reused {report.reused_tokens} tokens, expected {len(doc)}")
                 append_record(path, base | dict(kind="warm", tier=name, codec=writer.codec.spec, ttft_s=ttft, cold_ttft_s=cold_s,
                                           speedup=cold_s / ttft, read_s=report.read_s, decode_s=report.decode_s,
                                           import_s=report.import_s, prefill_s=report.prefill_s,
                                           reused_tokens=report.reused_tokens, computed_tokens=report.computed_tokens,
+                                          raw_read_s=raw_read_s,
                                           page_cache_dropped=dropped if name == "disk" else None))
                 log(f"    {name}: TTFT {ttft:.3f} s ({cold_s / ttft:.1f}x) read {report.read_s:.3f} decode "
                     f"{report.decode_s:.3f} import {report.import_s:.3f} prefill {report.prefill_s:.3f}")
