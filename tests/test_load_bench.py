@@ -1,4 +1,5 @@
-"""The load test's report writer on a synthetic load.json whose numbers are worked out by hand (no server here)."""
+"""The load test's report writer on a synthetic load.json whose numbers are worked out by hand (no kvmem server here;
+the cluster soak's chunk map reads a real Redis Cluster, `redis_cluster` in conftest)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from kvmem.errors import KVMemError
+
 from kvmem_bench.serve.report import (describing_config, keys_landed, outage_windows, phase_summary, replica_ratio,
                                       restart_refill, rss_growth, soak_intervals, wrong_answers, write_report)
-from kvmem_bench.serve.runner import keep_previous
+from kvmem_bench.serve.runner import chunk_starts, keep_previous, node_to_kill
 from kvmem_bench.stats import bootstrap_median
 
 COMMAND = "python -m kvmem_bench.serve.runner --out results/serve --clients 2 --duration 20 --soak 40"
@@ -151,6 +154,7 @@ def _cluster_soak() -> dict:
     ref = [dict(question=q, status="ok", text=t) for q, t in (("q0", "A0"), ("q1", "A1"))]
     return _phase("cluster_soak", "redis+cluster://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", reqs, rss, redis_down_s=10.0,
                   redis_up_s=20.0, node=1, node_port=2, keys_per_node_at_kill=[2, 4, 1], keys_per_node_at_end=[2, 4, 1],
+                  chunk_starts_at_kill=[[0, 768], [256, 512, 1024, 1280], [1536]], why_this_node="holds it",
                   reference=dict(server={}, requests=ref + [dict(question="q9", status="error", text="")]),
                   config=dict(clients=2, threads=1, workers=1))
 
@@ -195,6 +199,7 @@ def test_the_report_has_the_cluster_sections(results: Path):
     (results / "load.json").write_text(json.dumps(data))
     report = write_report(results).read_text()
     assert "## Soak on a Redis Cluster: a node killed and restarted" in report
+    assert "node 0: [0, 768]; node 1: [256, 512, 1024, 1280]; node 2: [1536] (keys per node 2 / 4 / 1). Node 1 " in report
     assert "| node down | 3 / 3 | 0 | 0 | 1 / 2 | 1.700 [" in report and "| after | 2 / 3 | 1 | 0 | 0 / 2 |" in report
     assert "- no wrong output: 1 of 7 answers (warm-up included) differ from the reference: NOT met" in report
     assert "| 12.0 | 0 | q0 | not A0 | A0 |" in report  # the wrong output, beside its reference
@@ -219,3 +224,33 @@ def test_a_later_run_keeps_the_earlier_phases_with_their_own_config():
     other = dict(new, config={**new["config"], "max_tokens": 64}, phases={}, runs=[])
     keep_previous(other, old)  # another workload: nothing kept
     assert other["phases"] == {}
+
+
+def test_the_node_killed_is_the_one_with_the_earliest_chunk_after_the_first_ones_node():
+    assert node_to_kill([[0, 768], [256, 512], [1536]])[0] == 1  # node 0 holds chunk 0; node 1 the next earliest
+    assert node_to_kill([[512], [], [0, 256]])[0] == 0
+    node, why = node_to_kill([[], [0, 256, 512], []])  # everything on one node: that one, said so
+    assert node == 1 and "every chunk" in why
+    with pytest.raises(KVMemError, match="no chunk"):
+        node_to_kill([[], [], []])
+
+
+def test_chunk_starts_reads_the_frames_on_each_node(redis_cluster):
+    """Frames with known first tokens, written through the cluster tier: each is found on the node that owns its key."""
+    import redis
+    import torch
+
+    from kvmem.store.chunk import pack
+    from kvmem.store.tiers import parse_stack
+
+    for port in redis_cluster.ports:
+        redis.Redis(host="127.0.0.1", port=port).flushall()
+    (tier,) = parse_stack(redis_cluster.url)
+    expected = [[] for _ in redis_cluster.ports]
+    nodes = [f"127.0.0.1:{p}" for p in redis_cluster.ports]
+    for i in range(12):
+        key = f"{i:016x}"
+        assert tier.put(key, pack({"k": torch.zeros(2)}, {"start": 256 * i, "tokens": 256})) == "ok"
+        expected[nodes.index(tier.client().get_node_from_key(f"kvmem:{key}").name)].append(256 * i)
+    assert chunk_starts(redis_cluster) == expected and sum(map(len, expected)) == 12
+    assert sum(bool(e) for e in expected) >= 2  # 12 keys spread over more than one node

@@ -225,10 +225,11 @@ def replica_section(phase: dict) -> list[str]:
              f"Two `kvmem serve --store memory,{tier}` processes on {where}. Per knowledge base (one "
              "neither has seen): a request to replica A, which computes the system prompt and writes its chunks through "
              "to Redis, then another question on the same knowledge base to replica B, which loads them from Redis. "
-             "One request at a time." + (" Keys per node: what A added on each node (DBSIZE after A - before A)."
+             "One request at a time." + (" Chunks per node: the keys A added on each node (DBSIZE after A - before A; a key "
+                                         "per chunk of the prompt, the last one partial)."
                                          if cluster else ""), "",
              "| knowledge base | prompt tokens | A: TTFT s (cached) | B: TTFT s (cached from Redis) | A / B |"
-             + (" keys A wrote per node | nodes |" if cluster else ""),
+             + (" chunks A wrote per node | nodes |" if cluster else ""),
              "|---|---|---|---|---|" + ("---|---|" if cluster else "")]
     for p in phase["pairs"]:
         a, b = p["a"], p["b"]
@@ -250,7 +251,7 @@ def replica_section(phase: dict) -> list[str]:
             spread = Counter(sum(k > 0 for k in x) for x in landed)
             totals = [sum(col) for col in zip(*landed)]
             lines.append(f"- where the keys landed: {', '.join(f'{n} knowledge base(s) on {m} node(s)' for m, n in sorted(spread.items(), reverse=True))}; "
-                         f"all pairs together, keys per node {' / '.join(map(str, totals))}")
+                         f"all pairs together, chunks per node {' / '.join(map(str, totals))}")
     return lines
 
 
@@ -266,9 +267,11 @@ def cluster_soak_section(phase: dict) -> list[str]:
     lines = ["", "## Soak on a Redis Cluster: a node killed and restarted", "",
              f"`--store {phase['store']}` only (three nodes, no replicas, `--cluster-require-full-coverage no`), "
              f"{cfg.get('clients', '?')} clients for {phase['duration_s']:g} s, `--threads {cfg.get('threads', '?')} "
-             f"--workers {cfg.get('workers', '?')}`; they ask {len(ref)} questions in turn. Node {phase.get('node')} "
-             f"(port {phase.get('node_port')}; keys per node at the kill: {' / '.join(map(str, keys)) if keys else '?'}: "
-             f"the node holding most) was killed at {down:.1f} s and started again (empty; it rejoins with its slots) at "
+             f"--workers {cfg.get('workers', '?')}`; they ask {len(ref)} questions in turn. Chunks per node at the kill "
+             f"(their first tokens): {'; '.join(f'node {i}: {s}' for i, s in enumerate(phase.get('chunk_starts_at_kill') or []))}"
+             f" (keys per node {' / '.join(map(str, keys)) if keys else '?'}). Node {phase.get('node')} (port "
+             f"{phase.get('node_port')}; it {phase.get('why_this_node', '?')}) was killed at {down:.1f} s and started "
+             f"again (empty; it rejoins with its slots) at "
              f"{up:.1f} s ({up - down:.1f} s down); keys per node at the end: "
              f"{' / '.join(map(str, phase.get('keys_per_node_at_end') or [])) or '?'}. "
              f"Reference: before the soak, a server without a store answered each question once (one at a time; "

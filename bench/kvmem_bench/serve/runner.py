@@ -31,14 +31,16 @@ Phases, one server each, one after another (never side by side: on 2 CPU cores t
 * `cluster_replicas`: `replicas` on a three-node Redis Cluster (`LocalRedisCluster`; `--store memory,redis+cluster://
   ...`): the same pairs, and per knowledge base how many of the keys replica A wrote landed on each node.
 * `cluster_soak` (`--store redis+cluster://...` only): `soak` with one node of the cluster killed instead of the
-  whole Redis, and started again (empty, it rejoins with its slots) `redis_down_s` later: the node that holds most
-  chunks after the warm-up, so that the outage shows. Its chunks are misses (recomputed) while the other nodes
-  serve theirs. The clients cycle over `SOAK_QUESTIONS` questions, and before the soak a server without a store
+  whole Redis, and started again (empty, it rejoins with its slots) `redis_down_s` later: not the node holding the
+  prompt's first chunk (that would make every request a full recompute, as in `soak`) but the one holding the
+  earliest chunk after it (`node_to_kill`), so that requests load the chunks before it from the live nodes and
+  compute the rest: loaded and computed KV in one prompt. The clients cycle over `SOAK_QUESTIONS` questions, and before the soak a server without a store
   answers each of them once (one at a time): the workload is greedy, so an answer that differs from that
   reference is a wrong output (the goal: none, before, during and after the outage).
 
-Each load phase (not `replicas`, `batching`, `cluster_replicas`) starts with one warm-up request alone (the one that fills the store, or the first cold request),
-recorded with `warmup: true` and reported apart from the steady state that follows. Times in the records are
+Each load phase (not `replicas`, `batching`, `cluster_replicas`) starts with one warm-up request alone (the one
+that fills the store, or the first cold request), recorded with `warmup: true` and reported apart from the steady
+state that follows. Times in the records are
 seconds from the phase's start (just before the warm-up). Everything goes to OUT/load.json (config, the command,
 the commit, every request, the RSS samples, the metrics), written after each phase; OUT/report.md and the plots
 come from `kvmem_bench.serve.report.write_report`.
@@ -367,10 +369,11 @@ def cluster_soak_phase(serve: Callable, load_phase: Callable, model: str, system
     with LocalRedisCluster() as cluster:
         picked: dict = {}
 
-        def pick() -> dict:  # the node holding most chunks now (ties: the first), so that its outage shows
-            keys = cluster.keys_per_node()
-            picked["node"] = max(range(len(keys)), key=lambda i: (keys[i], -i))
-            return dict(node=picked["node"], node_port=cluster.ports[picked["node"]], keys_per_node_at_kill=keys)
+        def pick() -> dict:
+            starts = chunk_starts(cluster)
+            picked["node"], why = node_to_kill(starts)
+            return dict(node=picked["node"], node_port=cluster.ports[picked["node"]], why_this_node=why,
+                        keys_per_node_at_kill=cluster.keys_per_node(), chunk_starts_at_kill=starts)
 
         outage = redis_outage(lambda: cluster.kill(picked["node"]), lambda: cluster.restart(picked["node"]), soak_s / 3,
                               down_s, log, "a cluster node", pick)
@@ -378,6 +381,40 @@ def cluster_soak_phase(serve: Callable, load_phase: Callable, model: str, system
         phase["keys_per_node_at_end"] = cluster.keys_per_node()
     phase["reference"] = dict(server=srv, requests=reference)
     return phase
+
+
+def chunk_starts(cluster) -> list[list[int]]:
+    """Per node of a `LocalRedisCluster`, the first token of each chunk it holds (read from the chunk frames'
+    verified headers), sorted; [] for a node that cannot be read."""
+    import redis
+
+    from kvmem.store.chunk import unpack
+
+    out = []
+    for port in cluster.ports:
+        try:
+            with redis.Redis(host="127.0.0.1", port=port, socket_timeout=2.0, socket_connect_timeout=2.0) as r:
+                blobs = [r.get(k) for k in r.scan_iter(match="kvmem:*")]
+                out.append(sorted(unpack(b, views=True)[1]["start"] for b in blobs if b is not None))
+        except (redis.RedisError, OSError):
+            out.append([])
+    return out
+
+
+def node_to_kill(starts: list[list[int]]) -> tuple[int, str]:
+    """The node whose outage tests the mixed path: not the one holding the prompt's first chunk (its outage makes
+    every request a full recompute, as the one-Redis soak does) but the one holding the earliest chunk after it,
+    so that requests load the chunks before that one from the live nodes and compute the rest. With every chunk
+    on the first chunk's node, that node. Returns (node, why)."""
+    first = next((i for i, s in enumerate(starts) if 0 in s), None)
+    others = [(min(s), i) for i, s in enumerate(starts) if s and i != first]
+    if others:
+        start, node = min(others)
+        return node, (f"holds the earliest chunk (token {start}) not on node {first}, the first chunk's: requests load "
+                      f"tokens [0, {start}) from the live nodes and compute the rest")
+    if first is None:
+        raise KVMemError("no chunk of the soak's prompt is in the cluster at the kill: nothing to take down")
+    return first, "holds every chunk (the first included): requests compute the whole prompt"
 
 
 async def reference_answers(base: str, model: str, system: str, asks: list[str], max_tokens: int,
