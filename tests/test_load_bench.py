@@ -12,7 +12,7 @@ import pytest
 from kvmem.errors import KVMemError
 
 from kvmem_bench.serve.report import (describing_config, keys_landed, outage_windows, phase_summary, replica_ratio,
-                                      restart_refill, rss_growth, soak_intervals, wrong_answers, write_report)
+                                      restart_refill, run_phases, rss_growth, soak_intervals, wrong_answers, write_report)
 from kvmem_bench.serve.runner import chunk_starts, keep_previous, node_to_kill
 from kvmem_bench.stats import bootstrap_median
 
@@ -205,7 +205,7 @@ def test_the_report_has_the_cluster_sections(results: Path):
     assert "| 12.0 | 0 | q0 | not A0 | A0 |" in report  # the wrong output, beside its reference
     assert "**1 wrong outputs** of 7 answers" in report  # the headline
     assert "## Two replicas on a Redis Cluster" in report and "| 2 / 3 / 1 | 3 |" in report and "| 0 / 3 / 3 | 2 |" in report
-    assert "- where the keys landed: 1 knowledge base(s) on 3 node(s), 1 knowledge base(s) on 2 node(s), 1 knowledge base(s) on 0 node(s)" in report
+    assert "- where the chunks landed: 1 knowledge base(s) on 3 node(s), 1 knowledge base(s) on 2 node(s), 1 knowledge base(s) on 0 node(s)" in report
     assert "**two replicas on a three-node Redis Cluster**" in report and "7.0× [7.0, 7.0] over 2" in report
     assert (results / "cluster_soak.png").stat().st_size > 1000 and "(cluster_soak.png)" in report
     assert "| soak (Redis Cluster, a node restarted) | redis+cluster://" in report  # a load phase in the steady-state table
@@ -221,6 +221,10 @@ def test_a_later_run_keeps_the_earlier_phases_with_their_own_config():
     assert [r["command"] for r in new["runs"]] == [COMMAND, "later"]
     new["phases"]["cluster_soak"] = {"config": new["config"]}
     assert describing_config(new)["clients"] == 2
+    new["runs"][0]["phases"] = ["store_on", "store_off", "soak"]
+    new["runs"] += [dict(command="soak again", phases=["soak"]), dict(command="last", phases=["cluster_soak", "gone"])]
+    assert [(r["command"], made) for r, made in run_phases(new)] == [
+        (COMMAND, ["store_on", "store_off"]), ("soak again", ["soak"]), ("last", ["cluster_soak"])]  # "later" made none left
     other = dict(new, config={**new["config"], "max_tokens": 64}, phases={}, runs=[])
     keep_previous(other, old)  # another workload: nothing kept
     assert other["phases"] == {}

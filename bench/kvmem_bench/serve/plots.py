@@ -61,7 +61,7 @@ def plots(data: dict, out: Path) -> list[str]:
 
 
 def outage_plot(phase: dict, path: Path, what: str, wrong: bool = False) -> None:
-    """TTFT of each request against its start, the outage shaded; loads (any cached token) and misses apart, errors
+    """TTFT of each request against its start, the outage shaded; whole loads, part loads and misses apart, errors
     as crosses and, with `wrong`, answers that differ from the reference ringed in red."""
     import matplotlib.pyplot as plt
 
@@ -70,8 +70,12 @@ def outage_plot(phase: dict, path: Path, what: str, wrong: bool = False) -> None
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.axvspan(phase["redis_down_s"], phase["redis_up_s"], color="grey", alpha=0.2, label=f"{what} down")
     ok = [r for r in phase["requests"] if r["status"] == "ok" and not r["warmup"]]
-    for label, keep, colour in (("loaded from the store", lambda r: (r["cached_tokens"] or 0) > 0, "tab:blue"),
-                                ("computed (miss)", lambda r: not (r["cached_tokens"] or 0) > 0, "tab:orange")):
+    # the most any request loaded before the outage: the whole stored prefix (on a cluster a request may load part)
+    most = max((r["cached_tokens"] or 0 for r in ok if r["t_end_s"] <= phase["redis_down_s"]), default=1)
+    cached = lambda r: r["cached_tokens"] or 0  # noqa: E731
+    for label, keep, colour in (("loaded the whole stored prefix", lambda r: cached(r) >= max(most, 1), "tab:blue"),
+                                ("loaded part of it, computed the rest", lambda r: 0 < cached(r) < most, "tab:green"),
+                                ("computed (miss)", lambda r: cached(r) == 0, "tab:orange")):
         pts = [(r["t_start_s"], r["ttft_s"]) for r in ok if keep(r)]
         if pts:
             ax.scatter(*zip(*pts), s=12, color=colour, label=label)

@@ -250,7 +250,7 @@ def replica_section(phase: dict) -> list[str]:
         if cluster and landed:
             spread = Counter(sum(k > 0 for k in x) for x in landed)
             totals = [sum(col) for col in zip(*landed)]
-            lines.append(f"- where the keys landed: {', '.join(f'{n} knowledge base(s) on {m} node(s)' for m, n in sorted(spread.items(), reverse=True))}; "
+            lines.append(f"- where the chunks landed: {', '.join(f'{n} knowledge base(s) on {m} node(s)' for m, n in sorted(spread.items(), reverse=True))}; "
                          f"all pairs together, chunks per node {' / '.join(map(str, totals))}")
     return lines
 
@@ -370,6 +370,17 @@ def headline(data: dict) -> list[str]:
     return out
 
 
+def run_phases(data: dict) -> list[tuple[dict, list[str]]]:
+    """Each run of load.json's `runs` with the phases in the file that it made (a phase run again later is the later
+    run's), oldest first; runs left with none are dropped."""
+    claimed, out = set(), []
+    for run in reversed(data.get("runs", [dict(data, phases=list(data["phases"]))])):
+        made = [p for p in run["phases"] if p in data["phases"] and p not in claimed]
+        claimed |= set(made)
+        out.append((run, made))
+    return [(r, made) for r, made in reversed(out) if made]
+
+
 def describing_config(data: dict) -> dict:
     """The config of the run that made the load phases (store on / off, then the soaks): a later run of other
     phases only (say the cluster's, with other clients) does not describe them. Each phase keeps its run's config."""
@@ -399,9 +410,9 @@ def write_report(out: Path) -> Path:
     batching = data["phases"].get("batching")
     summaries = {name: phase_summary(p) for name, p in phases.items()}
     lines = ["# Load test: `kvmem serve` under concurrent clients", "",
-             *(f"Reproduce: `{r['command']}`" + (f" (phases {', '.join(r['phases'])}; commit {r['commit']})"
+             *(f"Reproduce: `{r['command']}`" + (f" (phases {', '.join(made)}; commit {r['commit']})"
                                                  if len(data.get("runs", [])) > 1 else "")
-               for r in data.get("runs", [data])), "",
+               for r, made in run_phases(data)), "",
              f"{'Last run' if len(data.get('runs', [])) > 1 else 'Run'} {data['started']} to "
              f"{data.get('finished') or '(unfinished)'}, commit {data['commit']}"
              + (" with uncommitted changes" if data.get("uncommitted_changes") else "")
