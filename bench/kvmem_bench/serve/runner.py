@@ -34,16 +34,17 @@ Phases, one server each, one after another (never side by side: on 2 CPU cores t
   whole Redis, and started again (empty, it rejoins with its slots) `redis_down_s` later: not the node holding the
   prompt's first chunk (that would make every request a full recompute, as in `soak`) but the one holding the
   earliest chunk after it (`node_to_kill`), so that requests load the chunks before it from the live nodes and
-  compute the rest: loaded and computed KV in one prompt. The clients cycle over `SOAK_QUESTIONS` questions, and before the soak a server without a store
-  answers each of them once (one at a time): the workload is greedy, so an answer that differs from that
-  reference is a wrong output (the goal: none, before, during and after the outage).
+  compute the rest: loaded and computed KV in one prompt. The clients cycle over `SOAK_QUESTIONS` questions, and
+  before the soak a server without a store answers each of them once (one at a time): the workload is greedy, so
+  an answer that differs from that reference is a wrong output (the goal: none, before, during and after the
+  outage).
 
 Each load phase (not `replicas`, `batching`, `cluster_replicas`) starts with one warm-up request alone (the one
 that fills the store, or the first cold request), recorded with `warmup: true` and reported apart from the steady
-state that follows. Times in the records are
-seconds from the phase's start (just before the warm-up). Everything goes to OUT/load.json (config, the command,
-the commit, every request, the RSS samples, the metrics), written after each phase; OUT/report.md and the plots
-come from `kvmem_bench.serve.report.write_report`.
+state that follows. Times in the records are seconds from the phase's start (just before the warm-up). Everything
+goes to OUT/load.json (config, the command, the commit, every request, the RSS samples, the metrics; each phase
+with the config of the run that made it), written after each phase; OUT/report.md and the plots come from
+`kvmem_bench.serve.report.write_report`.
 """
 
 from __future__ import annotations
@@ -355,8 +356,8 @@ def replicas_phase(serve: Callable, model: str, tokenizer, system_tokens: int, q
 def cluster_soak_phase(serve: Callable, load_phase: Callable, model: str, system: str, questions: list[str],
                        max_tokens: int, timeout: float, soak_s: float, down_s: float, log=print) -> dict:
     """The reference answers (a server without a store, each of the soak's questions once), then the soak on a
-    three-node cluster (`load_phase`) with the node holding most keys killed a third of the way in and restarted
-    `down_s` later. The phase keeps the reference and the keys per node at the kill and at the end."""
+    three-node cluster (`load_phase`) with one node (`node_to_kill`) killed a third of the way in and restarted
+    `down_s` later. The phase keeps the reference, the chunks per node at the kill and the keys per node at the end."""
     from kvmem.store.tiers import LocalRedisCluster
 
     asks = questions[:SOAK_QUESTIONS]
