@@ -156,7 +156,7 @@ def _cluster_soak() -> dict:
                   redis_up_s=20.0, node=1, node_port=2, keys_per_node_at_kill=[2, 4, 1], keys_per_node_at_end=[2, 4, 1],
                   chunk_starts_at_kill=[[0, 768], [256, 512, 1024, 1280], [1536]], why_this_node="holds it",
                   reference=dict(server={}, requests=ref + [dict(question="q9", status="error", text="")]),
-                  config=dict(clients=2, threads=1, workers=1))
+                  config=dict(clients=3, threads=1, workers=1))
 
 
 def _cluster_replicas() -> dict:
@@ -208,7 +208,8 @@ def test_the_report_has_the_cluster_sections(results: Path):
     assert "- where the chunks landed: 1 knowledge base(s) on 3 node(s), 1 knowledge base(s) on 2 node(s), 1 knowledge base(s) on 0 node(s)" in report
     assert "**two replicas on a three-node Redis Cluster**" in report and "7.0× [7.0, 7.0] over 2" in report
     assert (results / "cluster_soak.png").stat().st_size > 1000 and "(cluster_soak.png)" in report
-    assert "| soak (Redis Cluster, a node restarted) | redis+cluster://" in report  # a load phase in the steady-state table
+    # a load phase in the steady-state table, with its own clients (not the store on / off run's)
+    assert "| soak (Redis Cluster, a node restarted) (3 clients, 1 worker(s) x 1 thread(s)) | redis+cluster://" in report
 
 
 def test_a_later_run_keeps_the_earlier_phases_with_their_own_config():

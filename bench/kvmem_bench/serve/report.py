@@ -381,6 +381,16 @@ def run_phases(data: dict) -> list[tuple[dict, list[str]]]:
     return [(r, made) for r, made in reversed(out) if made]
 
 
+def _label(name: str, phase: dict, cfg: dict) -> str:
+    """The phase's name in a table, with its clients and workers where its run had other ones than `cfg`."""
+    own = phase.get("config", cfg)
+    keys = ("clients", "workers", "threads")
+    if all(own.get(k) == cfg.get(k) for k in keys):
+        return PHASE_LABELS.get(name, name)
+    return (f"{PHASE_LABELS.get(name, name)} ({own.get('clients')} clients, {own.get('workers')} worker(s) x "
+            f"{own.get('threads')} thread(s))")
+
+
 def describing_config(data: dict) -> dict:
     """The config of the run that made the load phases (store on / off, then the soaks): a later run of other
     phases only (say the cluster's, with other clients) does not describe them. Each phase keeps its run's config."""
@@ -438,7 +448,7 @@ def write_report(out: Path) -> Path:
     for name, s in summaries.items():
         rss = s["rss"]
         lines.append(
-            f"| {PHASE_LABELS.get(name, name)} | {phases[name]['store'] or '(none)'} | {s['ok']} / {s['requests']} | "
+            f"| {_label(name, phases[name], cfg)} | {phases[name]['store'] or '(none)'} | {s['ok']} / {s['requests']} | "
             f"{_f(s['requests_per_s'], 2)} | {_ci(s['ttft_p50'])} | {_f(s['ttft_p95'])} | {_f(s['latency_p50'])} | "
             f"{_f(s['decode_ms_p50'], 1)} | {_f(s['cached_mean'], 0)} / {_f(s['prompt_mean'], 0)} | {s['hits']} / {s['ok']} | "
             f"{s['all_errors']} ({_met(s['all_errors'] == 0)}) | {s['all_429']} | {_f(rss['peak_mib'], 0)} | "
@@ -449,7 +459,7 @@ def write_report(out: Path) -> Path:
     for name, s in summaries.items():
         for r in s["warmup"]:
             status = r["status"] + (f" (`{_cell(r['error'], 200)}`)" if r["error"] else "")
-            lines.append(f"| {PHASE_LABELS.get(name, name)} | {status} | "
+            lines.append(f"| {_label(name, phases[name], cfg)} | {status} | "
                          f"{_f(r['ttft_s'])} | {_f(r['latency_s'])} | {r['cached_tokens']} / {r['prompt_tokens']} | "
                          f"{_f(phases[name]['server'].get('ready_s'), 1)} |")
     if "store_on" in phases and "store_off" in phases:
