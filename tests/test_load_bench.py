@@ -248,8 +248,11 @@ def test_chunk_starts_reads_the_frames_on_each_node(redis_cluster):
     from kvmem.store.chunk import pack
     from kvmem.store.tiers import parse_stack
 
-    for port in redis_cluster.ports:
-        redis.Redis(host="127.0.0.1", port=port).flushall()
+    def flush() -> None:
+        for port in redis_cluster.ports:
+            redis.Redis(host="127.0.0.1", port=port).flushall()
+
+    flush()
     (tier,) = parse_stack(redis_cluster.url)
     expected = [[] for _ in redis_cluster.ports]
     nodes = [f"127.0.0.1:{p}" for p in redis_cluster.ports]
@@ -259,3 +262,4 @@ def test_chunk_starts_reads_the_frames_on_each_node(redis_cluster):
         expected[nodes.index(tier.client().get_node_from_key(f"kvmem:{key}").name)].append(256 * i)
     assert chunk_starts(redis_cluster) == expected and sum(map(len, expected)) == 12
     assert sum(bool(e) for e in expected) >= 2  # 12 keys spread over more than one node
+    flush()  # the cluster is shared by the session's tests
