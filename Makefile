@@ -105,8 +105,10 @@ bench-reuse: setup redis
 
 # Serve (issue 11): kvmem serve on loopback under 4 concurrent streaming clients (a shared 1.5k-token system prompt,
 # a different question each), 120 s with the store and 120 s without; two replicas on one redis-server (a knowledge
-# base computed by one, loaded by the other); a 180 s soak with Redis killed and restarted; batch size 1 vs 4
-# (about 13 minutes). 2 workers x 1 torch thread: on 2 cores, 1.65x the requests/s of 1 worker x 2 threads.
+# base computed by one, loaded by the other); a 180 s soak with Redis killed and restarted; batch size 1 vs 4; the
+# replicas and the soak again on a three-node Redis Cluster (issue 36: one node killed, every answer compared with a
+# no-store server's) (about 22 minutes). 2 workers x 1 torch thread: on 2 cores, 1.65x the requests/s of 1 worker x 2
+# threads.
 bench-serve: setup redis
 	$(KVMEM) eval --suite serve --clients 4 --duration 120 --soak 180 --workers 2 --threads 1 --out results/serve
 	$(PY) -m kvmem_bench.readme serve

@@ -1,4 +1,5 @@
-"""The load test's report writer on a synthetic load.json whose numbers are worked out by hand (no server here)."""
+"""The load test's report writer on a synthetic load.json whose numbers are worked out by hand (no kvmem server here;
+the cluster soak's chunk map reads a real Redis Cluster, `redis_cluster` in conftest)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvmem_bench.serve.report import phase_summary, restart_refill, rss_growth, soak_intervals, write_report
+from kvmem.errors import KVMemError
+
+from kvmem_bench.serve.report import (describing_config, keys_landed, outage_windows, phase_summary, replica_ratio,
+                                      restart_refill, run_phases, rss_growth, soak_intervals, wrong_answers, write_report)
+from kvmem_bench.serve.runner import chunk_starts, keep_previous, node_to_kill
 from kvmem_bench.stats import bootstrap_median
 
 COMMAND = "python -m kvmem_bench.serve.runner --out results/serve --clients 2 --duration 20 --soak 40"
@@ -127,3 +132,134 @@ def test_bootstrap_median_of_equal_values_has_no_width():
     assert bootstrap_median([0.5] * 9) == (0.5, 0.5, 0.5)
     assert all(math.isnan(x) for x in bootstrap_median([]))
     assert rss_growth([])["samples"] == 0
+
+
+# ---------------------------------------------------------------- the Redis Cluster phases
+
+
+def _cluster_soak() -> dict:
+    """A cluster soak: node down from 10 to 20 s; reference answers to q0 and q1; one wrong answer during the outage
+    (partial load), one unchecked question (no reference), an error after the restart."""
+    mib = 1024
+    reqs = [_req(0.0, 1.0, 0.9, cached=0, warmup=True, question="q0", text="A0"),
+            _req(2.0, 3.0, 0.2, cached=1500, question="q1", text="A1"),
+            _req(3.0, 4.0, 0.2, cached=1400, question="q0", text="A0"),  # before; the most loaded before: 1500
+            _req(11.0, 12.0, 1.5, cached=512, question="q1", text="A1"),
+            _req(12.0, 14.0, 1.7, cached=0, question="q0", text="not A0"),  # during: the wrong output
+            _req(19.0, 21.0, 1.8, cached=512, question="q2", text="no reference"),  # across the restart: during
+            _req(21.0, 22.0, 1.6, cached=1024, question="q1", text="A1"),
+            _req(22.5, 23.0, 0.2, cached=1500, question="q0", text="A0"),
+            _req(23.0, 23.5, None, status="error", error="HTTP 500: boom", question="q1")]
+    rss = [[0.5, 500 * mib]] + [[1.0 + i, (300 + (i >= 10) * 20 + (i >= 20) * 5) * mib] for i in range(24)]
+    ref = [dict(question=q, status="ok", text=t) for q, t in (("q0", "A0"), ("q1", "A1"))]
+    return _phase("cluster_soak", "redis+cluster://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", reqs, rss, redis_down_s=10.0,
+                  redis_up_s=20.0, node=1, node_port=2, keys_per_node_at_kill=[2, 4, 1], keys_per_node_at_end=[2, 4, 1],
+                  chunk_starts_at_kill=[[0, 768], [256, 512, 1024, 1280], [1536]], why_this_node="holds it",
+                  reference=dict(server={}, requests=ref + [dict(question="q9", status="error", text="")]),
+                  config=dict(clients=3, threads=1, workers=1))
+
+
+def _cluster_replicas() -> dict:
+    def pair(k: int, before: list[int], after: list[int], ok: bool = True) -> dict:
+        a = _req(0.0, 8.0, 7.0, cached=0)
+        b = _req(8.0, 9.0, 1.0, cached=1490) if ok else _req(8.0, 9.0, None, status="error", error="boom")
+        return dict(system_prompt=k, a=a, b=b, store=dict(before=before, after_a=after))
+
+    return dict(name="cluster_replicas", store="memory,redis+cluster://(local, 3 nodes)", pairs=[
+        pair(0, [0, 0, 0], [2, 3, 1]), pair(1, [2, 3, 1], [2, 6, 4]), pair(2, [2, 6, 4], [2, 6, 4], ok=False)])
+
+
+def test_wrong_outputs_are_answers_that_differ_from_the_reference():
+    soak = _cluster_soak()
+    wrong, checked = wrong_answers(soak)
+    assert [r["text"] for r in wrong] == ["not A0"]
+    assert checked == 7  # ok requests with a reference: the warm-up too; q2 has none, the error is not ok
+
+
+def test_outage_windows_count_wrong_outputs_loads_and_rss_per_window():
+    w = outage_windows(_cluster_soak())
+    assert {k: (x["requests"], x["ok"], x["errors"]) for k, x in w.items()} == {
+        "before": (2, 2, 0), "during": (3, 3, 0), "after": (3, 2, 1)}
+    assert {k: (x["wrong"], x["checked"]) for k, x in w.items()} == {"before": (0, 2), "during": (1, 2), "after": (0, 2)}
+    assert {k: x["full_loads"] for k, x in w.items()} == {"before": 1, "during": 0, "after": 1}
+    assert w["during"]["cached_mean"] == pytest.approx(1024 / 3) and w["during"]["hits"] == 2
+    assert {k: x["rss_peak_mib"] for k, x in w.items()} == {"before": 300, "during": 320, "after": 325}
+
+
+def test_keys_landed_per_node_and_the_cluster_replicas_ratio():
+    rep = _cluster_replicas()
+    assert [keys_landed(p) for p in rep["pairs"]] == [[2, 3, 1], [0, 3, 3], [0, 0, 0]]
+    g, lo, hi, n = replica_ratio(rep)
+    assert n == 2 and g == pytest.approx(7.0) and lo == pytest.approx(7.0) and hi == pytest.approx(7.0)
+
+
+def test_the_report_has_the_cluster_sections(results: Path):
+    data = json.loads((results / "load.json").read_text())
+    data["phases"] |= dict(cluster_soak=_cluster_soak(), cluster_replicas=_cluster_replicas())
+    (results / "load.json").write_text(json.dumps(data))
+    report = write_report(results).read_text()
+    assert "## Soak on a Redis Cluster: a node killed and restarted" in report
+    assert "node 0: [0, 768]; node 1: [256, 512, 1024, 1280]; node 2: [1536] (keys per node 2 / 4 / 1). Node 1 " in report
+    assert "| node down | 3 / 3 | 0 | 0 | 1 / 2 | 1.700 [" in report and "| after | 2 / 3 | 1 | 0 | 0 / 2 |" in report
+    assert "- no wrong output: 1 of 7 answers (warm-up included) differ from the reference: NOT met" in report
+    assert "| 12.0 | 0 | q0 | not A0 | A0 |" in report  # the wrong output, beside its reference
+    assert "**1 wrong outputs** of 7 answers" in report  # the headline
+    assert "## Two replicas on a Redis Cluster" in report and "| 2 / 3 / 1 | 3 |" in report and "| 0 / 3 / 3 | 2 |" in report
+    assert "- where the chunks landed: 1 knowledge base(s) on 3 node(s), 1 knowledge base(s) on 2 node(s), 1 knowledge base(s) on 0 node(s)" in report
+    assert "**two replicas on a three-node Redis Cluster**" in report and "7.0× [7.0, 7.0] over 2" in report
+    assert (results / "cluster_soak.png").stat().st_size > 1000 and "(cluster_soak.png)" in report
+    # a load phase in the steady-state table, with its own clients (not the store on / off run's)
+    assert "| soak (Redis Cluster, a node restarted) (3 clients, 1 worker(s) x 1 thread(s)) | redis+cluster://" in report
+
+
+def test_a_later_run_keeps_the_earlier_phases_with_their_own_config():
+    old = _load_json()
+    new = dict(command="later", commit="def5678", started="2025-01-02", config={**old["config"], "clients": 1,
+               "phases": ["cluster_soak"]}, phases={}, runs=[dict(command="later", phases=["cluster_soak"])])
+    keep_previous(new, old)
+    assert set(new["phases"]) == {"store_on", "store_off", "soak"}
+    assert new["phases"]["store_on"]["config"]["clients"] == 2  # the run that made it, not the later one
+    assert [r["command"] for r in new["runs"]] == [COMMAND, "later"]
+    new["phases"]["cluster_soak"] = {"config": new["config"]}
+    assert describing_config(new)["clients"] == 2
+    new["runs"][0]["phases"] = ["store_on", "store_off", "soak"]
+    new["runs"] += [dict(command="soak again", phases=["soak"]), dict(command="last", phases=["cluster_soak", "gone"])]
+    assert [(r["command"], made) for r, made in run_phases(new)] == [
+        (COMMAND, ["store_on", "store_off"]), ("soak again", ["soak"]), ("last", ["cluster_soak"])]  # "later" made none left
+    other = dict(new, config={**new["config"], "max_tokens": 64}, phases={}, runs=[])
+    keep_previous(other, old)  # another workload: nothing kept
+    assert other["phases"] == {}
+
+
+def test_the_node_killed_is_the_one_with_the_earliest_chunk_after_the_first_ones_node():
+    assert node_to_kill([[0, 768], [256, 512], [1536]])[0] == 1  # node 0 holds chunk 0; node 1 the next earliest
+    assert node_to_kill([[512], [], [0, 256]])[0] == 0
+    node, why = node_to_kill([[], [0, 256, 512], []])  # everything on one node: that one, said so
+    assert node == 1 and "every chunk" in why
+    with pytest.raises(KVMemError, match="no chunk"):
+        node_to_kill([[], [], []])
+
+
+def test_chunk_starts_reads_the_frames_on_each_node(redis_cluster):
+    """Frames with known first tokens, written through the cluster tier: each is found on the node that owns its key."""
+    import redis
+    import torch
+
+    from kvmem.store.chunk import pack
+    from kvmem.store.tiers import parse_stack
+
+    def flush() -> None:
+        for port in redis_cluster.ports:
+            redis.Redis(host="127.0.0.1", port=port).flushall()
+
+    flush()
+    (tier,) = parse_stack(redis_cluster.url)
+    expected = [[] for _ in redis_cluster.ports]
+    nodes = [f"127.0.0.1:{p}" for p in redis_cluster.ports]
+    for i in range(12):
+        key = f"{i:016x}"
+        assert tier.put(key, pack({"k": torch.zeros(2)}, {"start": 256 * i, "tokens": 256})) == "ok"
+        expected[nodes.index(tier.client().get_node_from_key(f"kvmem:{key}").name)].append(256 * i)
+    assert chunk_starts(redis_cluster) == expected and sum(map(len, expected)) == 12
+    assert sum(bool(e) for e in expected) >= 2  # 12 keys spread over more than one node
+    flush()  # the cluster is shared by the session's tests

@@ -60,7 +60,7 @@ PARTS_DEFAULT = "ppl,decode,tasks"
 
 @clean_errors
 def eval_(
-    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow), serve (kvmem serve under load: store on / off, two replicas on one Redis, a soak with Redis restarted), batching (continuous batching: throughput against concurrency beside transformers serve, and the memory-bound case), longgen (decode-phase compression on long outputs: a 280-token copy task and streaming perplexity) or kvdirect (KV-Direct's residual checkpoints against the full cache and eviction at the same bytes: token match, bytes held, step time)."),
+    suite: str = typer.Option("longctx", help="longctx (RULER-style tasks, QA, perplexity), retrieval (embeddings), speed (time and memory), quant (quantization: Δppl, decode, tasks), reuse (TTFT from stored KV, codecs, semantic lookup), rag (documents reused at new positions: cacheblend, infoflow), serve (kvmem serve under load: store on / off, two replicas on one Redis and on a Redis Cluster, a soak with Redis restarted and one with a cluster node restarted), batching (continuous batching: throughput against concurrency beside transformers serve, and the memory-bound case), longgen (decode-phase compression on long outputs: a 280-token copy task and streaming perplexity) or kvdirect (KV-Direct's residual checkpoints against the full cache and eviction at the same bytes: token match, bytes held, step time)."),
     models: str = typer.Option("smollm2-135m", help="Comma-separated models."),
     lengths: str = typer.Option("4096", help="Comma-separated context lengths in tokens."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: all of the suite's; kvdirect: the eviction baselines)."),
@@ -76,14 +76,14 @@ def eval_(
     eval_settings: str = typer.Option("agnostic,aware", "--settings", help="longctx: comma-separated settings, agnostic and/or aware (the latter doubles a sample's cost)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
     cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
-    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic, semshare (SemShareKV vs token recycling; not in the default); serve: store_on, store_off, soak, replicas; batching: sweep, memory, steps; kvdirect: decode, growth (default all)."),
+    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic, semshare (SemShareKV vs token recycling; not in the default); serve: store_on, store_off, soak, replicas, batching, cluster_replicas, cluster_soak; batching: sweep, memory, steps; kvdirect: decode, growth (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens); longgen: streaming perplexity texts."),
     every: int = typer.Option(1, help="longgen: decoded tokens between re-compressions (Compressor's every=N)."),
     extra_rows: int = typer.Option(64, help="longgen: rows a head may hold beyond what it kept of the prompt (Compressor's extra_rows)."),
     codecs: Optional[str] = typer.Option(None, help="reuse: comma-separated store codecs (default: raw, quant:kivi-8/4/2, cachegen)."),
     clients: int = typer.Option(4, help="serve: concurrent clients."),
     duration: float = typer.Option(120, help="serve: seconds of load with the store on, then off."),
-    soak: float = typer.Option(180, help="serve: seconds of the soak (Redis killed a third of the way in, restarted; 0: none)."),
+    soak: float = typer.Option(180, help="serve: seconds of each soak (Redis, or a cluster node, killed a third of the way in, restarted; 0: none)."),
     workers: int = typer.Option(1, help="serve: the servers' --workers (--threads is their torch threads)."),
     concurrency: str = typer.Option("1,2,4,8,16,32", help="batching: comma-separated client concurrencies of the sweep."),
     servers: Optional[str] = typer.Option(None, help="batching: kvmem-single, kvmem-batching, transformers (default all)."),

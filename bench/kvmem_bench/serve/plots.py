@@ -1,4 +1,5 @@
-"""The load test's plots: TTFT per phase, RSS over time, and the soak with Redis down and back."""
+"""The load test's plots: TTFT per phase, RSS over time, and each soak (Redis; a Redis Cluster's node) with the
+outage shaded."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def plots(data: dict, out: Path) -> list[str]:
 
     phases = {k: v for k, v in data["phases"].items() if k not in NOT_LOAD}
     made = []
-    colours = {"store_on": "tab:blue", "store_off": "tab:orange", "soak": "tab:green"}
+    colours = {"store_on": "tab:blue", "store_off": "tab:orange", "soak": "tab:green", "cluster_soak": "tab:purple"}
     compared = [p for p in ("store_on", "store_off") if p in phases]
     if compared:
         fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -40,9 +41,10 @@ def plots(data: dict, out: Path) -> list[str]:
         if phase["rss"]:
             t, kib = zip(*phase["rss"])
             ax.plot(t, np.asarray(kib) / 1024, color=colours.get(name), label=PHASE_LABELS.get(name, name))
-    if "soak" in phases and phases["soak"].get("redis_down_s") is not None:
-        ax.axvspan(phases["soak"]["redis_down_s"], phases["soak"]["redis_up_s"], color="tab:green", alpha=0.12,
-                   label="soak: Redis down")
+    for name, what in (("soak", "soak: Redis down"), ("cluster_soak", "cluster soak: a node down")):
+        if name in phases and phases[name].get("redis_down_s") is not None:
+            ax.axvspan(phases[name]["redis_down_s"], phases[name]["redis_up_s"], color=colours[name], alpha=0.12,
+                       label=what)
     ax.set(xlabel="seconds from the phase's start", ylabel="server RSS (MiB)", title="server RSS over time")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -50,29 +52,51 @@ def plots(data: dict, out: Path) -> list[str]:
     fig.savefig(out / "rss.png", dpi=120)
     plt.close(fig)
     made.append("rss.png")
-    soak = phases.get("soak")
-    if soak and soak.get("redis_down_s") is not None:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        ax.axvspan(soak["redis_down_s"], soak["redis_up_s"], color="grey", alpha=0.2, label="Redis down")
-        ok = [r for r in soak["requests"] if r["status"] == "ok" and not r["warmup"]]
-        for label, keep, colour in (("loaded from the store", lambda r: (r["cached_tokens"] or 0) > 0, "tab:blue"),
-                                    ("computed (miss)", lambda r: not (r["cached_tokens"] or 0) > 0, "tab:orange")):
-            pts = [(r["t_start_s"], r["ttft_s"]) for r in ok if keep(r)]
-            if pts:
-                ax.scatter(*zip(*pts), s=12, color=colour, label=label)
-        warm = [r for r in soak["requests"] if r["warmup"] and r["ttft_s"] is not None]
-        if warm:
-            ax.scatter([r["t_start_s"] for r in warm], [r["ttft_s"] for r in warm], marker="*", s=90, color="k",
-                       label="warm-up (fills the store)")
-        bad = [r["t_start_s"] for r in soak["requests"] if r["status"] != "ok"]
-        if bad:
-            ax.scatter(bad, [min((r["ttft_s"] for r in ok), default=0.01)] * len(bad), marker="x", color="red",
-                       label="error / 429")
-        ax.set(yscale="log", xlabel="request start (s from the soak's start)", ylabel="TTFT (s)",
-               title="soak: TTFT over time, Redis killed and restarted")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "soak.png", dpi=120)
-        plt.close(fig)
-        made.append("soak.png")
+    for name, png, what in (("soak", "soak.png", "Redis"), ("cluster_soak", "cluster_soak.png", "a cluster node")):
+        phase = phases.get(name)
+        if phase and phase.get("redis_down_s") is not None:
+            outage_plot(phase, out / png, what, wrong=name == "cluster_soak")
+            made.append(png)
     return made
+
+
+def outage_plot(phase: dict, path: Path, what: str, wrong: bool = False) -> None:
+    """TTFT of each request against its start, the outage shaded; whole loads, part loads and misses apart, errors
+    as crosses and, with `wrong`, answers that differ from the reference ringed in red."""
+    import matplotlib.pyplot as plt
+
+    from kvmem_bench.serve.report import wrong_answers
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.axvspan(phase["redis_down_s"], phase["redis_up_s"], color="grey", alpha=0.2, label=f"{what} down")
+    ok = [r for r in phase["requests"] if r["status"] == "ok" and not r["warmup"]]
+    # the most any request loaded before the outage: the whole stored prefix (on a cluster a request may load part)
+    most = max((r["cached_tokens"] or 0 for r in ok if r["t_end_s"] <= phase["redis_down_s"]), default=1)
+    cached = lambda r: r["cached_tokens"] or 0  # noqa: E731
+    for label, keep, colour in (("loaded the whole stored prefix", lambda r: cached(r) >= max(most, 1), "tab:blue"),
+                                ("loaded part of it, computed the rest", lambda r: 0 < cached(r) < most, "tab:green"),
+                                ("computed (miss)", lambda r: cached(r) == 0, "tab:orange")):
+        pts = [(r["t_start_s"], r["ttft_s"]) for r in ok if keep(r)]
+        if pts:
+            ax.scatter(*zip(*pts), s=12, color=colour, label=label)
+    warm = [r for r in phase["requests"] if r["warmup"] and r["ttft_s"] is not None]
+    if warm:
+        ax.scatter([r["t_start_s"] for r in warm], [r["ttft_s"] for r in warm], marker="*", s=90, color="k",
+                   label="warm-up (fills the store)")
+    bad = [r["t_start_s"] for r in phase["requests"] if r["status"] != "ok"]
+    if bad:
+        ax.scatter(bad, [min((r["ttft_s"] for r in ok), default=0.01)] * len(bad), marker="x", color="red",
+                   label="error / 429")
+    if wrong:
+        differ, checked = wrong_answers(phase)
+        if differ:
+            ax.scatter([r["t_start_s"] for r in differ], [r["ttft_s"] for r in differ], s=80, facecolors="none",
+                       edgecolors="red", label=f"wrong output ({len(differ)} of {checked} answers)")
+        else:
+            ax.plot([], [], " ", label=f"wrong outputs: 0 of {checked} answers")
+    ax.set(yscale="log", xlabel="request start (s from the soak's start)", ylabel="TTFT (s)",
+           title=f"soak: TTFT over time, {what} killed and restarted")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

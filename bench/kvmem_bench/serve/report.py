@@ -7,7 +7,10 @@ per token, mean cached tokens and the fraction of requests that loaded any, erro
 RSS and its growth (median of the last quarter of the steady state's samples minus that of the first quarter).
 The warm-up request is its own table. Store on vs off: the ratio of the TTFT medians with a bootstrap CI (the
 two phases resampled independently) and whether the same question got the same answer. The soak: the same
-numbers before, during and after the Redis outage, and what the restart did (refill, then hits).
+numbers before, during and after the Redis outage, and what the restart did (refill, then hits). The replicas, on
+one Redis and on a Redis Cluster (with where each knowledge base's keys landed). The cluster soak: the same windows
+around a node's outage, and wrong outputs: answers that differ from the reference answer to the same question (a
+server without a store, greedy decoding).
 
 Percentiles are numpy's (linear interpolation)."""
 
@@ -102,6 +105,42 @@ def restart_refill(requests: list[dict], up: float) -> dict:
                 later_hits=sum(r["cached_tokens"] > 0 for r in later), first_cached=first)
 
 
+def reference_texts(phase: dict) -> dict[str, str]:
+    """question -> the reference answer (the cluster soak's server without a store; ok answers only)."""
+    return {r["question"]: r["text"] for r in phase.get("reference", {}).get("requests", []) if r["status"] == "ok"}
+
+
+def wrong_answers(phase: dict) -> tuple[list[dict], int]:
+    """(the ok requests, warm-up included, whose answer differs from the reference answer to their question, how
+    many ok requests had a reference to compare with)."""
+    ref = reference_texts(phase)
+    checked = [r for r in phase["requests"] if r["status"] == "ok" and r["question"] in ref]
+    return [r for r in checked if r["text"] != ref[r["question"]]], len(checked)
+
+
+def outage_windows(phase: dict) -> dict[str, dict]:
+    """Per window of `soak_intervals` (before, during the outage, after): `request_stats`, the answers compared
+    with the reference (`checked`, `wrong`), the requests that loaded as many tokens as the most any request loaded
+    before the outage (`full_loads`: the whole stored prefix; on a cluster a request may load part of it), and the
+    peak RSS of the samples in the window (before: from the steady state's start; after: to the end)."""
+    ref = reference_texts(phase)
+    parts = soak_intervals(phase)
+    most = max((r["cached_tokens"] or 0 for r in parts["before"] if r["status"] == "ok"), default=None)
+    bounds = {"before": (phase["t_steady_s"], phase["redis_down_s"]), "during": (phase["redis_down_s"], phase["redis_up_s"]),
+              "after": (phase["redis_up_s"], math.inf)}
+    out = {}
+    for name, reqs in parts.items():
+        st = request_stats(reqs)
+        ok = [r for r in reqs if r["status"] == "ok" and r["question"] in ref]
+        st["checked"], st["wrong"] = len(ok), sum(r["text"] != ref[r["question"]] for r in ok)
+        st["full_loads"] = None if most is None else sum(r["status"] == "ok" and (r["cached_tokens"] or 0) >= most
+                                                         for r in reqs)
+        lo, hi = bounds[name]
+        st["rss_peak_mib"] = max((kib for t, kib in phase["rss"] if lo <= t <= hi), default=math.nan) / 1024
+        out[name] = st
+    return out
+
+
 def same_answers(a: dict, b: dict) -> tuple[int, int]:
     """(equal, compared): answers of the two phases' ok requests to the same question."""
     first = {r["question"]: r["text"] for r in a["requests"] if r["status"] == "ok"}
@@ -155,39 +194,130 @@ def batching_section(phase: dict) -> list[str]:
     return lines
 
 
-def replica_section(phase: dict) -> list[str]:
-    """Two replicas on one Redis: per knowledge base, TTFT on A (computed, written through) and on B (another
-    question, loaded from Redis); the paired ratio A / B as a geometric mean with a bootstrap CI of the mean log."""
+def keys_landed(pair: dict) -> list[int] | None:
+    """Keys replica A added on each cluster node (after A - before A), or None without a cluster."""
+    store = pair.get("store")
+    if not store or store.get("before") is None or store.get("after_a") is None:
+        return None
+    return [a - b for a, b in zip(store["after_a"], store["before"])]
+
+
+def replica_ratio(phase: dict) -> tuple[float, float, float, int] | None:
+    """TTFT A / B as the geometric mean of the ok pairs with a bootstrap CI of the mean log, and the pairs."""
     from kvmem_bench.stats import bootstrap_mean
 
     pairs = [p for p in phase["pairs"] if p["a"]["status"] == p["b"]["status"] == "ok"]
-    lines = ["", "## Two replicas on one Redis", "",
-             "Two `kvmem serve --store memory,redis://...` processes on one redis-server. Per knowledge base (one "
+    if not pairs:
+        return None
+    m, lo, hi = bootstrap_mean([math.log(p["a"]["ttft_s"] / p["b"]["ttft_s"]) for p in pairs])
+    return math.exp(m), math.exp(lo), math.exp(hi), len(pairs)
+
+
+def replica_section(phase: dict) -> list[str]:
+    """Two replicas on one Redis (or a Redis Cluster): per knowledge base, TTFT on A (computed, written through)
+    and on B (another question, loaded from Redis); the paired ratio A / B (`replica_ratio`). On a cluster, the
+    keys A wrote per node."""
+    cluster = phase["name"] == "cluster_replicas"
+    pairs = [p for p in phase["pairs"] if p["a"]["status"] == p["b"]["status"] == "ok"]
+    where = "a three-node Redis Cluster (`LocalRedisCluster`, no replicas)" if cluster else "one redis-server"
+    tier = "redis+cluster://..." if cluster else "redis://..."
+    lines = ["", f"## Two replicas on {'a Redis Cluster' if cluster else 'one Redis'}", "",
+             f"Two `kvmem serve --store memory,{tier}` processes on {where}. Per knowledge base (one "
              "neither has seen): a request to replica A, which computes the system prompt and writes its chunks through "
              "to Redis, then another question on the same knowledge base to replica B, which loads them from Redis. "
-             "One request at a time.", "",
-             "| knowledge base | prompt tokens | A: TTFT s (cached) | B: TTFT s (cached from Redis) | A / B |",
-             "|---|---|---|---|---|"]
+             "One request at a time." + (" Chunks per node: the keys A added on each node (DBSIZE after A - before A; a key "
+                                         "per chunk of the prompt, the last one partial)."
+                                         if cluster else ""), "",
+             "| knowledge base | prompt tokens | A: TTFT s (cached) | B: TTFT s (cached from Redis) | A / B |"
+             + (" chunks A wrote per node | nodes |" if cluster else ""),
+             "|---|---|---|---|---|" + ("---|---|" if cluster else "")]
     for p in phase["pairs"]:
         a, b = p["a"], p["b"]
         ratio = a["ttft_s"] / b["ttft_s"] if a["ttft_s"] and b["ttft_s"] else math.nan
+        landed = keys_landed(p)
+        extra = (f" {' / '.join(map(str, landed))} | {sum(k > 0 for k in landed)} |" if landed is not None else " | |"
+                 ) if cluster else ""
         lines.append(f"| {p['system_prompt']} | {a['prompt_tokens']} | {_f(a['ttft_s'])} ({a['cached_tokens']}) | "
-                     f"{_f(b['ttft_s'])} ({b['cached_tokens']}) | {_f(ratio, 1)} |")
+                     f"{_f(b['ttft_s'])} ({b['cached_tokens']}) | {_f(ratio, 1)} |" + extra)
     if pairs:
-        logs = [math.log(p["a"]["ttft_s"] / p["b"]["ttft_s"]) for p in pairs]
-        m, lo, hi = bootstrap_mean(logs)
+        g, lo, hi, n = replica_ratio(phase)
         share = sum(p["b"]["cached_tokens"] / p["b"]["prompt_tokens"] for p in pairs) / len(pairs)
-        lines += ["", f"- TTFT, replica A (computed) / replica B (reused from A through Redis): {math.exp(m):.1f}× "
-                      f"[{math.exp(lo):.1f}, {math.exp(hi):.1f}] (geometric mean of {len(pairs)} pairs, bootstrap 95% CI); "
+        lines += ["", f"- TTFT, replica A (computed) / replica B (reused from A through Redis): {g:.1f}× "
+                      f"[{lo:.1f}, {hi:.1f}] (geometric mean of {n} pairs, bootstrap 95% CI); "
                       f"B loaded {share:.1%} of its prompt tokens",
                   f"- errors: {sum(p['a']['status'] != 'ok' or p['b']['status'] != 'ok' for p in phase['pairs'])}"]
+        landed = [k for k in map(keys_landed, phase["pairs"]) if k is not None]
+        if cluster and landed:
+            spread = Counter(sum(k > 0 for k in x) for x in landed)
+            totals = [sum(col) for col in zip(*landed)]
+            lines.append(f"- where the chunks landed: {', '.join(f'{n} knowledge base(s) on {m} node(s)' for m, n in sorted(spread.items(), reverse=True))}; "
+                         f"all pairs together, chunks per node {' / '.join(map(str, totals))}")
+    return lines
+
+
+def cluster_soak_section(phase: dict) -> list[str]:
+    """The cluster soak: per window around the node's outage, requests, TTFT, cached tokens, wrong outputs, RSS."""
+    cfg = phase.get("config", {})
+    down, up = phase["redis_down_s"], phase["redis_up_s"]
+    win = outage_windows(phase)
+    wrong, checked = wrong_answers(phase)
+    warm = [r for r in phase["requests"] if r["warmup"]]
+    ref = phase["reference"]["requests"]
+    keys = phase.get("keys_per_node_at_kill")
+    lines = ["", "## Soak on a Redis Cluster: a node killed and restarted", "",
+             f"`--store {phase['store']}` only (three nodes, no replicas, `--cluster-require-full-coverage no`), "
+             f"{cfg.get('clients', '?')} clients for {phase['duration_s']:g} s, `--threads {cfg.get('threads', '?')} "
+             f"--workers {cfg.get('workers', '?')}`; they ask {len(ref)} questions in turn. Chunks per node at the kill "
+             f"(their first tokens): {'; '.join(f'node {i}: {s}' for i, s in enumerate(phase.get('chunk_starts_at_kill') or []))}"
+             f" (keys per node {' / '.join(map(str, keys)) if keys else '?'}). Node {phase.get('node')} (port "
+             f"{phase.get('node_port')}; it {phase.get('why_this_node', '?')}) was killed at {down:.1f} s and started "
+             f"again (empty; it rejoins with its slots) at "
+             f"{up:.1f} s ({up - down:.1f} s down); keys per node at the end: "
+             f"{' / '.join(map(str, phase.get('keys_per_node_at_end') or [])) or '?'}. "
+             f"Reference: before the soak, a server without a store answered each question once (one at a time; "
+             f"{sum(r['status'] == 'ok' for r in ref)} of {len(ref)} ok); a wrong output is an answer that differs from "
+             "the reference answer to its question (greedy decoding: the same prompt must give the same text). "
+             "Windows as in the Redis soak: ended before the kill, overlapping the outage, started after the restart. "
+             "Whole prefix: requests that loaded as many tokens as the most any request loaded before the outage.", "",
+             "| window | ok / requests | errors | 429s | wrong outputs / compared (goal 0) | TTFT p50 s [95% CI] | TTFT p95 s "
+             "| mean cached tokens | hits (any) | whole prefix | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k, x in win.items():
+        lines.append(f"| {'node down' if k == 'during' else k} | {x['ok']} / {x['requests']} | {x['errors']} | "
+                     f"{x['rate_limited']} | {x['wrong']} / {x['checked']} | {_ci(x['ttft_p50'])} | {_f(x['ttft_p95'])} | "
+                     f"{_f(x['cached_mean'], 0)} | {x['hits']} / {x['ok']} | {x['full_loads']} / {x['ok']} | "
+                     f"{_f(x['rss_peak_mib'], 0)} |")
+    rss = rss_growth(phase["rss"], phase["t_steady_s"])
+    b, d = win["before"]["ttft_p50"][0], win["during"]["ttft_p50"][0]
+    errors = sum(r["status"] == "error" for r in phase["requests"])
+    lines += ["", "Checks:", "",
+              f"- no wrong output: {len(wrong)} of {checked} answers (warm-up included) differ from the reference: "
+              f"{_met(not wrong and checked > 0)}",
+              f"- requests succeed while the node is down: {win['during']['ok']} of {win['during']['requests']} overlapping "
+              f"the outage ok; errors over the whole soak (warm-up included): {errors}: "
+              f"{_met(errors == 0 and win['during']['requests'] > 0)}",
+              f"- the dead node's chunks are recomputed: mean cached tokens {_f(win['during']['cached_mean'], 0)} while it "
+              f"is down vs {_f(win['before']['cached_mean'], 0)} before; TTFT p50 {_f(d)} s vs {_f(b)} s before",
+              f"- after the restart: {win['after']['full_loads']} of {win['after']['ok']} requests loaded the whole prefix "
+              f"again (mean cached {_f(win['after']['cached_mean'], 0)})",
+              f"- server RSS: peak {_f(rss['peak_mib'], 0)} MiB, growth over the steady state {_f(rss['growth_mib'], 1)} "
+              f"MiB ({_f(rss['first_mib'], 0)} → {_f(rss['last_mib'], 0)})"]
+    if warm:
+        w = warm[0]
+        lines.append(f"- warm-up (fills the cluster): TTFT {_f(w['ttft_s'])} s, {w['cached_tokens']} cached of "
+                     f"{w['prompt_tokens']}")
+    if wrong:
+        ref_text = reference_texts(phase)
+        lines += ["", "| request | start s | cached | question | answer | reference |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['seq']} | {r['t_start_s']:.1f} | {r['cached_tokens']} | {_cell(r['question'], 80)} | "
+                  f"{_cell(r['text'], 120)} | {_cell(ref_text[r['question']], 120)} |" for r in wrong]
     return lines
 
 
 def headline(data: dict) -> list[str]:
     """The figures the issue asks for, as bullets (the report's Headline and the README's serve block)."""
     phases = data["phases"]
-    cfg, out = data["config"], []
+    cfg, out = describing_config(data), []
     sums = {k: phase_summary(v) for k, v in phases.items() if k not in NOT_LOAD}
     if "store_on" in sums and "store_off" in sums:
         on, off = sums["store_on"], sums["store_off"]
@@ -209,16 +339,13 @@ def headline(data: dict) -> list[str]:
         growth = ", ".join(f"{PHASE_LABELS.get(k, k)} {_f(s['rss']['growth_mib'], 0)}" for k, s in sums.items())
         out.append(f"- **server memory**: peak RSS {_f(peak, 0)} MiB; growth over each phase's steady state (MiB, "
                    f"last quarter - first): {growth}")
-    rep = phases.get("replicas")
-    if rep:
-        pairs = [p for p in rep["pairs"] if p["a"]["status"] == p["b"]["status"] == "ok"]
-        if pairs:
-            from kvmem_bench.stats import bootstrap_mean
-
-            m, lo, hi = bootstrap_mean([math.log(p["a"]["ttft_s"] / p["b"]["ttft_s"]) for p in pairs])
-            out.append(f"- **two replicas on one Redis**: a knowledge base computed by replica A is loaded by replica B; "
-                       f"TTFT A / B {math.exp(m):.1f}× [{math.exp(lo):.1f}, {math.exp(hi):.1f}] over {len(pairs)} "
-                       f"knowledge bases (median B TTFT {_f(percentile([p['b']['ttft_s'] for p in pairs], 50), 2)} s)")
+    for name, where in (("replicas", "one Redis"), ("cluster_replicas", "a three-node Redis Cluster")):
+        rep = phases.get(name)
+        if rep and (ratio := replica_ratio(rep)):
+            b_ttft = percentile([p["b"]["ttft_s"] for p in rep["pairs"] if p["a"]["status"] == p["b"]["status"] == "ok"], 50)
+            out.append(f"- **two replicas on {where}**: a knowledge base computed by replica A is loaded by replica B; "
+                       f"TTFT A / B {ratio[0]:.1f}× [{ratio[1]:.1f}, {ratio[2]:.1f}] over {ratio[3]} "
+                       f"knowledge bases (median B TTFT {_f(b_ttft, 2)} s)")
     if phases.get("batching"):
         g = batching_gain(phases["batching"])
         out.append(f"- **batch size 1** (one sequence per worker) leaves {g[0]:.2f}× decode throughput on this CPU "
@@ -230,7 +357,45 @@ def headline(data: dict) -> list[str]:
                    f"overlapping the {soak['redis_up_s'] - soak['redis_down_s']:.0f} s outage succeeded (recomputed: TTFT "
                    f"p50 {_f(st['during']['ttft_p50'][0], 2)} s vs {_f(st['before']['ttft_p50'][0], 2)} s before); after "
                    f"the restart {st['after']['hits']} of {st['after']['ok']} hit the refilled store")
+    cluster = phases.get("cluster_soak")
+    if cluster and cluster.get("redis_down_s") is not None:
+        win, (wrong, checked) = outage_windows(cluster), wrong_answers(cluster)
+        errors = sum(r["status"] == "error" for r in cluster["requests"])
+        out.append(f"- **soak on a Redis Cluster, a node killed and restarted**: {errors} errors; "
+                   f"**{len(wrong)} wrong outputs** of {checked} answers compared with a no-store server's (goal 0: "
+                   f"{_met(not wrong and checked > 0)}); {win['during']['ok']} of {win['during']['requests']} requests "
+                   f"overlapping the {cluster['redis_up_s'] - cluster['redis_down_s']:.0f} s outage succeeded (mean cached "
+                   f"tokens {_f(win['during']['cached_mean'], 0)} vs {_f(win['before']['cached_mean'], 0)} before, TTFT "
+                   f"p50 {_f(win['during']['ttft_p50'][0], 2)} vs {_f(win['before']['ttft_p50'][0], 2)} s)")
     return out
+
+
+def run_phases(data: dict) -> list[tuple[dict, list[str]]]:
+    """Each run of load.json's `runs` with the phases in the file that it made (a phase run again later is the later
+    run's), oldest first; runs left with none are dropped."""
+    claimed, out = set(), []
+    for run in reversed(data.get("runs", [dict(data, phases=list(data["phases"]))])):
+        made = [p for p in run["phases"] if p in data["phases"] and p not in claimed]
+        claimed |= set(made)
+        out.append((run, made))
+    return [(r, made) for r, made in reversed(out) if made]
+
+
+def _label(name: str, phase: dict, cfg: dict) -> str:
+    """The phase's name in a table, with its clients and workers where its run had other ones than `cfg`."""
+    own = phase.get("config", cfg)
+    keys = ("clients", "workers", "threads")
+    if all(own.get(k) == cfg.get(k) for k in keys):
+        return PHASE_LABELS.get(name, name)
+    return (f"{PHASE_LABELS.get(name, name)} ({own.get('clients')} clients, {own.get('workers')} worker(s) x "
+            f"{own.get('threads')} thread(s))")
+
+
+def describing_config(data: dict) -> dict:
+    """The config of the run that made the load phases (store on / off, then the soaks): a later run of other
+    phases only (say the cluster's, with other clients) does not describe them. Each phase keeps its run's config."""
+    first = next((data["phases"][k] for k in ("store_on", "store_off", "soak", "cluster_soak") if k in data["phases"]), {})
+    return first.get("config", data["config"])  # (load.json files older than per-phase configs: the run's)
 
 
 README_MARKERS = ("<!-- serve: regenerated from results/serve/report.md by `make bench-serve` -->", "<!-- /serve -->")
@@ -251,16 +416,18 @@ def write_report(out: Path) -> Path:
     """OUT/report.md (and its plots) from OUT/load.json; returns the report's path."""
     out = Path(out)
     data = json.loads((out / "load.json").read_text())
-    cfg, phases = data["config"], {k: v for k, v in data["phases"].items() if k not in NOT_LOAD}
-    replicas, batching = data["phases"].get("replicas"), data["phases"].get("batching")
+    cfg, phases = describing_config(data), {k: v for k, v in data["phases"].items() if k not in NOT_LOAD}
+    batching = data["phases"].get("batching")
     summaries = {name: phase_summary(p) for name, p in phases.items()}
     lines = ["# Load test: `kvmem serve` under concurrent clients", "",
-             *(f"Reproduce: `{r['command']}`" + (f" (phases {', '.join(r['phases'])}; commit {r['commit']})"
+             *(f"Reproduce: `{r['command']}`" + (f" (phases {', '.join(made)}; commit {r['commit']})"
                                                  if len(data.get("runs", [])) > 1 else "")
-               for r in data.get("runs", [data])), "",
-             f"Run {data['started']} to {data.get('finished') or '(unfinished)'}, commit {data['commit']}"
+               for r, made in run_phases(data)), "",
+             f"{'Last run' if len(data.get('runs', [])) > 1 else 'Run'} {data['started']} to "
+             f"{data.get('finished') or '(unfinished)'}, commit {data['commit']}"
              + (" with uncommitted changes" if data.get("uncommitted_changes") else "")
-             + f", {data['host']['cpus']} CPUs. Model {cfg['model']}, {cfg['clients']} concurrent clients for "
+             + f", {data['host']['cpus']} CPUs. Load phases (where their section does not say otherwise): model "
+               f"{cfg['model']}, {cfg['clients']} concurrent clients for "
                f"{cfg['duration_s']:g} s per phase (soak {cfg['soak_s']:g} s), `--threads {cfg['threads']} --workers "
                f"{cfg['workers']} --queue {cfg['queue']}`. Each request: the shared system prompt ({cfg['system_prompt_tokens']} "
                f"tokens, {cfg['system_prompt_documents']} abstracts) and a different question, streamed, temperature 0, "
@@ -281,7 +448,7 @@ def write_report(out: Path) -> Path:
     for name, s in summaries.items():
         rss = s["rss"]
         lines.append(
-            f"| {PHASE_LABELS.get(name, name)} | {phases[name]['store'] or '(none)'} | {s['ok']} / {s['requests']} | "
+            f"| {_label(name, phases[name], cfg)} | {phases[name]['store'] or '(none)'} | {s['ok']} / {s['requests']} | "
             f"{_f(s['requests_per_s'], 2)} | {_ci(s['ttft_p50'])} | {_f(s['ttft_p95'])} | {_f(s['latency_p50'])} | "
             f"{_f(s['decode_ms_p50'], 1)} | {_f(s['cached_mean'], 0)} / {_f(s['prompt_mean'], 0)} | {s['hits']} / {s['ok']} | "
             f"{s['all_errors']} ({_met(s['all_errors'] == 0)}) | {s['all_429']} | {_f(rss['peak_mib'], 0)} | "
@@ -292,7 +459,7 @@ def write_report(out: Path) -> Path:
     for name, s in summaries.items():
         for r in s["warmup"]:
             status = r["status"] + (f" (`{_cell(r['error'], 200)}`)" if r["error"] else "")
-            lines.append(f"| {PHASE_LABELS.get(name, name)} | {status} | "
+            lines.append(f"| {_label(name, phases[name], cfg)} | {status} | "
                          f"{_f(r['ttft_s'])} | {_f(r['latency_s'])} | {r['cached_tokens']} / {r['prompt_tokens']} | "
                          f"{_f(phases[name]['server'].get('ready_s'), 1)} |")
     if "store_on" in phases and "store_off" in phases:
@@ -338,8 +505,12 @@ def write_report(out: Path) -> Path:
                      "check (a longer soak shows it)" if not refill["later"] else
                      f" (which ended {refill['first_hit_after_s']:.1f} s after the restart), then {refill['later_hits']} of "
                      f"{refill['later']} later requests hit: {_met(refill['later_hits'] == refill['later'])}")]
-    if replicas:
-        lines += replica_section(replicas)
+    cluster = phases.get("cluster_soak")
+    if cluster and cluster.get("redis_down_s") is not None:
+        lines += cluster_soak_section(cluster)
+    for name in ("replicas", "cluster_replicas"):
+        if data["phases"].get(name):
+            lines += replica_section(data["phases"][name])
     if batching:
         lines += batching_section(batching)
     bad = [(name, status, msg, n) for name, s in summaries.items() for (status, msg), n in s["error_messages"].most_common()]
