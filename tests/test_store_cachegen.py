@@ -45,7 +45,7 @@ def size(tensors: dict, meta: dict) -> int:
 
 
 @pytest.mark.parametrize("spec", ["cachegen", "cachegen:key_bins=1+2+3:value_bins=0.05:group=3:clip=2",
-                                  "cachegen:group=1", "cachegen:group=100:anchor_bin=0.5"])
+                                  "cachegen:group=1", "cachegen:group=100:anchor_bin=0.5", "cachegen:delta=none:value_bins=1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_is_exactly_the_quantizers_reconstruction(spec, dtype):
     codec, layers = get_codec(spec), ragged_layers(dtype)
@@ -64,7 +64,8 @@ def test_decode_is_exactly_the_quantizers_reconstruction(spec, dtype):
             assert g["positions"].dtype == torch.int32 and torch.equal(g["positions"], o["positions"])
 
 
-@pytest.mark.parametrize("spec", ["cachegen", "cachegen:key_bins=0.1:value_bins=1:anchor_bin=0.01", "cachegen:group=4:clip=1"])
+@pytest.mark.parametrize("spec", ["cachegen", "cachegen:key_bins=0.1:value_bins=1:anchor_bin=0.01", "cachegen:group=4:clip=1",
+                                  "cachegen:delta=none:key_bins=0.3:value_bins=0.7"])
 def test_error_is_at_most_half_a_bin_of_the_channel_std(spec):
     codec, layers = get_codec(spec), ragged_layers()
     decoded = codec.decode(*codec.encode(layers))
@@ -84,6 +85,20 @@ def test_deltas_are_taken_against_the_groups_anchor():
     step = 1 / (scale[1].float() * 0.001)  # one token's rise in bins
     within = torch.arange(1, 10, dtype=torch.float32).repeat(3)[:, None]  # a token's distance to its anchor
     assert ((qd - within * step).abs() <= 2).all()  # to the previous token, every delta would be one step
+
+
+def test_without_deltas_tokens_are_coded_as_themselves_at_the_same_reconstruction_as_coarse_anchors():
+    """delta=none: no anchors; every token is its own symbol at the layer's bin, which is exactly what closed-loop
+    deltas give when the anchors are as coarse as the deltas (anchor and delta land on the same grid)."""
+    layers = ragged_layers()
+    plain = get_codec("cachegen:delta=none:key_bins=0.5:value_bins=0.5")
+    anchored = get_codec("cachegen:key_bins=0.5:value_bins=0.5:anchor_bin=0.5")
+    assert plain.spec == "cachegen:delta=none:key_bins=0.5+0.5+0.5:value_bins=0.5+0.5+0.5"
+    scale, qa, qd = _quantize(layers[0].heads[0]["keys"], plain.coded_group, plain.anchor_bin, 0.5)
+    assert qa.shape == (0, 16) and qd.shape == (57, 16)
+    for a, b in zip(plain.decode(*plain.encode(layers)), anchored.reconstruct(layers)):
+        for x, y in zip(a.heads, b.heads):
+            assert torch.allclose(x["keys"], y["keys"], atol=1e-5) and torch.allclose(x["values"], y["values"], atol=1e-5)
 
 
 def test_correlated_tokens_compress_better_than_the_same_tokens_shuffled():
@@ -133,7 +148,8 @@ def test_spec_is_canonical():
 
 @pytest.mark.parametrize("spec, word", [("cachegen:bins=3", "bins"), ("cachegen:group=x", "group"),
                                         ("cachegen:key_bins=0.1+0.2", "key_bins"), ("cachegen:value_bins=-1", "value_bins"),
-                                        ("cachegen:group=0", "group"), ("cachegen:clip", "clip")])
+                                        ("cachegen:group=0", "group"), ("cachegen:clip", "clip"),
+                                        ("cachegen:delta=prev", "delta"), ("cachegen:delta=none:group=5", "delta=none")])
 def test_bad_options_are_refused(spec, word):
     with pytest.raises(KVMemError, match=word):
         get_codec(spec)

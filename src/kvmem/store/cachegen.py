@@ -7,6 +7,9 @@ Serving" (arXiv 2310.07240). The encoder, per layer, keys and values separately:
    (paper: 10). A group's first token (the anchor) is encoded on its own, every other token as its delta to
    the anchor (not to the previous token, so groups decode independently). The delta is taken against the
    *reconstructed* anchor (closed loop), so no element carries its anchor's quantization error.
+   `delta=none` (not the paper's; issue 36) codes every token as itself at its layer's bins, no anchors: with
+   anchors as coarse as the deltas the reconstruction is the same either way, and on smollm2-135m's KV the
+   deltas' symbols carry more entropy than the tokens' own (results/reuse/report.md, "Codec frontier").
 2. Layer-wise quantization: each channel is normalized by its mean and std in the chunk (per layer, head,
    channel: float16 side info, float32 if out of float16's range). Anchors use the fine bin `anchor_bin`
    (in stds); deltas a bin that grows with depth: `key_bins`/`value_bins` give it for the first third,
@@ -42,7 +45,8 @@ from kvmem.store.codec import Codec, _dtype, _tensor
 ANCHOR_HALF = 127  # anchor alphabet -127..127 plus the escape: 256 symbols
 # Defaults measured on smollm2-135m while writing this (1024-token prefills, 256-token continuations): next-token KL and Δppl about kivi-4's at
 # 0.47-0.49x kivi-8's bytes (1024- and 256-token chunks); ~1/3 of kivi-8 takes bins near 0.8 (KL ~9x kivi-4's).
-DEFAULTS = {"group": 10, "anchor_bin": 0.05, "key_bins": (0.25, 0.3, 0.35), "value_bins": (0.2, 0.45, 0.6), "clip": 4.0}
+DEFAULTS = {"group": 10, "anchor_bin": 0.05, "key_bins": (0.25, 0.3, 0.35), "value_bins": (0.2, 0.45, 0.6), "clip": 4.0,
+            "delta": "anchor"}
 
 
 def _bins(value, option: str) -> tuple[float, float, float]:
@@ -60,7 +64,8 @@ def _bins(value, option: str) -> tuple[float, float, float]:
 
 def _quantize(x: Tensor, group: int, anchor_bin: float, bin: float) -> tuple[Tensor, Tensor, Tensor]:
     """x (T, D) -> (scale (2, D): mean and std as stored, anchor symbols (ceil(T / group), D), delta symbols
-    (T - anchors, D), int64). Rounding is to the nearest bin, so |error| <= bin / 2 stds."""
+    (T - anchors, D), int64). Rounding is to the nearest bin, so |error| <= bin / 2 stds. group 0 (delta=none):
+    no anchors, the "delta" symbols are the tokens themselves (T, D)."""
     x = x.float()
     mean = x.mean(0) if len(x) else x.new_zeros(x.shape[1])
     std = x.std(0, correction=0) if len(x) else x.new_zeros(x.shape[1])
@@ -68,6 +73,8 @@ def _quantize(x: Tensor, group: int, anchor_bin: float, bin: float) -> tuple[Ten
     scale = torch.stack([mean, std])
     scale = scale.half() if scale.half().isfinite().all() else scale
     z = (x - scale[0].float()) / scale[1].float()
+    if not group:  # delta=none: no anchors, every token is coded as itself
+        return scale, torch.zeros(0, x.shape[1], dtype=torch.long), (z / bin).round().clamp(-2**30, 2**30).long()
     qa = (z[::group] / anchor_bin).round().clamp(-2**30, 2**30)
     t = torch.arange(len(x))
     anchor = (qa * anchor_bin)[t // group]  # each token's anchor as the decoder sees it (closed loop)
@@ -76,6 +83,8 @@ def _quantize(x: Tensor, group: int, anchor_bin: float, bin: float) -> tuple[Ten
 
 
 def _dequantize(scale: Tensor, qa: Tensor, qd: Tensor, group: int, anchor_bin: float, bin: float, dtype) -> Tensor:
+    if not group:
+        return (qd.float() * bin * scale[1].float() + scale[0].float()).to(dtype)
     t = torch.arange(qa.shape[0] + qd.shape[0])
     z = (qa.float() * anchor_bin)[t // group]
     z[t % group != 0] += qd.float() * bin
@@ -117,17 +126,27 @@ class CacheGenCodec(Codec):
     version = 1
 
     def __init__(self, group: int = 10, anchor_bin: float = 0.05, key_bins: str = "0.25+0.3+0.35",
-                 value_bins: str = "0.2+0.45+0.6", clip: float = 4.0):
+                 value_bins: str = "0.2+0.45+0.6", clip: float = 4.0, delta: str = "anchor"):
         if group < 1 or anchor_bin <= 0 or clip <= 0:
             raise KVMemError(f"cachegen takes group >= 1, anchor_bin > 0 and clip > 0; got group {group}, "
                              f"anchor_bin {anchor_bin}, clip {clip}")
-        self.group, self.anchor_bin, self.clip = group, float(anchor_bin), float(clip)
+        if delta not in ("anchor", "none"):
+            raise KVMemError(f"cachegen option delta is anchor (to the group's anchor token) or none (every token "
+                             f"coded as itself), got {delta!r}")
+        if delta == "none" and (group, anchor_bin) != (DEFAULTS["group"], DEFAULTS["anchor_bin"]):
+            raise KVMemError("cachegen option delta=none has no anchors: group and anchor_bin do not apply")
+        self.group, self.anchor_bin, self.clip, self.delta = group, float(anchor_bin), float(clip), delta
         self.key_bins, self.value_bins = _bins(key_bins, "key_bins"), _bins(value_bins, "value_bins")
 
     @property
     def spec(self) -> str:
         fmt = lambda v: "+".join(f"{b:g}" for b in v) if isinstance(v, tuple) else v  # noqa: E731
         return format_spec(self.name, {k: fmt(getattr(self, k)) for k, d in DEFAULTS.items() if getattr(self, k) != d})
+
+    @property
+    def coded_group(self) -> int:
+        """The group size as stored in the meta: 0 for delta=none (no anchors)."""
+        return self.group if self.delta == "anchor" else 0
 
     def layer_bins(self, layer: int, n_layers: int) -> tuple[float, float]:
         """(key bin, value bin) of a layer: its third of the depth picks the entry of key_bins / value_bins."""
@@ -139,14 +158,14 @@ class CacheGenCodec(Codec):
         for rows in layers:
             if any("log_weights" in h for h in rows.heads):
                 raise KVMemError("the cachegen codec cannot store rows that stand for several tokens (log-weights); use raw")
-        return [[[_quantize(h[f], self.group, self.anchor_bin, b) for h in rows.heads]
+        return [[[_quantize(h[f], self.coded_group, self.anchor_bin, b) for h in rows.heads]
                  for f, b in zip(("keys", "values"), self.layer_bins(l, len(layers)))] for l, rows in enumerate(layers)]
 
     def reconstruct(self, layers: list[ExportedRows]) -> list[ExportedRows]:
         """What `decode(encode(layers))` returns, without the entropy coding: the quantizer's reconstruction."""
         positions = {f"{l}.{h}.positions": head["positions"] for l, r in enumerate(layers) for h, head in enumerate(r.heads)}
         metas = [self._layer_meta(l, r, len(layers)) for l, r in enumerate(layers)]
-        return _rows(self.quantize(layers), metas, positions, self.group, self.anchor_bin)
+        return _rows(self.quantize(layers), metas, positions, self.coded_group, self.anchor_bin)
 
     def _layer_meta(self, l: int, rows: ExportedRows, n_layers: int) -> dict:
         starts = []
@@ -190,14 +209,14 @@ class CacheGenCodec(Codec):
             escapes = torch.cat(escapes)
             small = not escapes.numel() or int(escapes.abs().max()) < 2**15  # most escapes are a few bins past the clip
             tensors[f"{l}.escapes"] = escapes.to(torch.int16 if small else torch.int32)
-        return tensors, {"group": self.group, "anchor_bin": self.anchor_bin, "layers": metas}
+        return tensors, {"group": self.coded_group, "anchor_bin": self.anchor_bin, "layers": metas}
 
     def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
         group, anchor_bin = meta["group"], meta["anchor_bin"]
         quantized = []
         for l, lm in enumerate(meta["layers"]):
             lengths, dims, halves = lm["lengths"], lm["dims"], lm["halves"]
-            anchors = [-(-t // group) for t in lengths]
+            anchors = [-(-t // group) if group else 0 for t in lengths]
             hists = list(unpack(_tensor(tensors, f"{l}.anchor_hist"), 3, 2 * (ANCHOR_HALF + 2)).view(2, 1, -1))
             for kv, d, half in zip("kv", dims, halves):
                 hist = unpack(_tensor(tensors, f"{l}.{kv}_hist"), 3, len(lengths) * d * (half + 2))
@@ -242,7 +261,8 @@ def _rows(quantized: list, metas: list[dict], tensors: dict[str, Tensor], group:
 
 
 def parse_cachegen(spec: str) -> CacheGenCodec:
-    """`cachegen` or `cachegen:key_bins=0.3+0.5+0.7:value_bins=0.5:anchor_bin=0.05:group=10:clip=4`."""
+    """`cachegen` or `cachegen:key_bins=0.3+0.5+0.7:value_bins=0.5:anchor_bin=0.05:group=10:clip=4` (or
+    `delta=none` instead of group and anchor_bin)."""
     name, options = parse_spec(spec, ("cachegen",), "codec")
     check_options(name, CacheGenCodec, options)
     return CacheGenCodec(**options)
