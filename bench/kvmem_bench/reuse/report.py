@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvmem_bench.perplexity import delta_ppl
+from kvmem_bench.reuse.frontier import frontier_section
 from kvmem_bench.records import read_records
 from kvmem_bench.stats import bootstrap_mean, paired_difference
 
@@ -159,6 +160,7 @@ def write_report(out: Path) -> Path:
                   f"| greedy answers equal to cold | | {m['chunk_answer_equal']:.0%} | {m['semantic_answer_equal']:.0%} |",
                   f"| largest logit difference to cold | | {m['max_logit_diff_chunk']:.1e} | {m['max_logit_diff_semantic']:.1e} |"]
     lines += similar_section(out)
+    lines += frontier_section(out)
     lines += ["", "## Goals", ""]
     for m, n in sorted({(r["model"], r["length"]) for r in summary["cold"]}):
         best = {t: max(((r["speedup"], r["codec"]) for r in summary["warm"] if (r["model"], r["length"], r["tier"]) == (m, n, t)),
