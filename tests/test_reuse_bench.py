@@ -98,9 +98,10 @@ def test_codec_frontier_records_bytes_and_quality_and_reports_them(smollm2, tmp_
 def test_frontier_verdict_uses_the_bound_asked_for():
     from kvmem_bench.reuse.frontier import best_under_target
 
-    rows = [dict(codec="cachegen:a", bytes_per_token=10, dppl=[0.8, 0.2, 1.4]),
-            dict(codec="cachegen:b", bytes_per_token=20, dppl=[0.5, 0.1, 0.9]),
-            dict(codec="quant:kivi-2", bytes_per_token=5, dppl=[0.1, 0.0, 0.2])]  # not cachegen: never the answer
+    rows = [dict(codec="cachegen:a", bytes_per_token=10, dppl=[0.8, 0.2, 1.4], docs=12),
+            dict(codec="cachegen:b", bytes_per_token=20, dppl=[0.5, 0.1, 0.9], docs=12),
+            dict(codec="cachegen:c", bytes_per_token=5, dppl=[0.1, -0.9, 0.8], docs=2),  # left after 2 documents
+            dict(codec="quant:kivi-2", bytes_per_token=5, dppl=[0.1, 0.0, 0.2], docs=12)]  # not cachegen: never the answer
     assert best_under_target(rows, "upper")["codec"] == "cachegen:b"
     assert best_under_target(rows, "point")["codec"] == "cachegen:a"
-    assert best_under_target(rows[2:]) is None
+    assert best_under_target(rows[3:]) is None
