@@ -92,7 +92,7 @@ def test_codec_frontier_records_bytes_and_quality_and_reports_them(smollm2, tmp_
     assert rows[codecs[1]]["docs"] == 2 and rows[codecs[1]]["scored_tokens"] == 64
     report = write_report(tmp_path).read_text()
     assert "## Codec frontier" in report and f"| smollm2-135m | {codecs[1]} | 2 × 32 |" in report
-    assert "smallest cachegen bytes with upper CI bound" in report and (tmp_path / "codec_frontier.png").exists()
+    assert "smallest cachegen with upper CI bound" in report and (tmp_path / "codec_frontier.png").exists()
 
 
 def test_frontier_verdict_uses_the_bound_asked_for():

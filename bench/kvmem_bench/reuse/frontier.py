@@ -251,9 +251,33 @@ def frontier_goals(summary: dict[str, list[dict]]) -> list[str]:
                          + (f"{b['codec']} at {b['vs_kivi8']:.3f} of kivi-8 (Δppl {b['dppl'][0]:+.2f} "
                             f"[{b['dppl'][1]:+.2f}, {b['dppl'][2]:+.2f}]), target "
                             f"{'met' if b['vs_kivi8'] <= TARGET_RATIO else 'not met'}" if b else "no cachegen setting"))
-        lines.append(f"- codec frontier, {rows[0]['model']} ({rows[0]['docs']} documents; issue 36's target ≤ "
+        lines.append(f"- codec frontier, {rows[0]['model']} ({max(r['docs'] for r in rows)} documents; issue 36's target ≤ "
                      f"{TARGET_RATIO:.2f} of kivi-8's bytes): smallest cachegen with " + "; with ".join(cells))
     return lines
+
+
+FAMILIES = {"kivi": dict(fmt="s", color="tab:red"), "cachegen (anchor deltas)": dict(fmt="o", color="tab:green"),
+            "cachegen delta=none": dict(fmt="o", color="tab:orange"), "cachegen delta=none, sink": dict(fmt="o", color="tab:blue")}
+
+
+def _family(codec: str) -> str:
+    if codec.startswith("quant:"):
+        return "kivi"
+    if "delta=none" not in codec:
+        return "cachegen (anchor deltas)"
+    return "cachegen delta=none, sink" if "sink=" in codec else "cachegen delta=none"
+
+
+def _short(codec: str) -> str:
+    """A plot label: kivi-4, default, or K<key bins>/V<value bins> (one number when the thirds agree)."""
+    if codec.startswith("quant:"):
+        return codec.removeprefix("quant:")
+    opts = dict(o.split("=") for o in codec.split(":")[1:])
+    if not opts:
+        return "default"
+    bins = lambda v: v.split("+")[0] if len(set(v.split("+"))) == 1 else v.replace("+", "/")  # noqa: E731
+    label = f"K{bins(opts.get('key_bins', '0.25+0.3+0.35'))} V{bins(opts.get('value_bins', '0.2+0.45+0.6'))}"
+    return label + (f" a{opts['anchor_bin']}" if "anchor_bin" in opts else "")
 
 
 def _plot_frontier(summary: dict[str, list[dict]], out: Path) -> None:
@@ -262,21 +286,21 @@ def _plot_frontier(summary: dict[str, list[dict]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(summary), figsize=(7 * len(summary), 5), squeeze=False)
     for ax, (key, rows) in zip(axes[0], summary.items()):
+        full = max(r["docs"] for r in rows)
         for r in rows:
-            if r["dppl"] is None:
+            if r["dppl"] is None or r["docs"] != full:  # settings dropped after a few documents: table only
                 continue
-            q = r["dppl"]
-            kivi = r["codec"].startswith("quant:")
-            ax.errorbar(r["vs_kivi8"], q[0], yerr=[[q[0] - q[1]], [q[2] - q[0]]], fmt="s" if kivi else "o",
-                        color="tab:red" if kivi else "tab:blue", capsize=3)
-            label = r["codec"].removeprefix("quant:").removeprefix("cachegen:").replace(":", " ") or "cachegen"
-            ax.annotate(label, (r["vs_kivi8"], q[0]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            q, family = r["dppl"], _family(r["codec"])
+            ax.errorbar(r["vs_kivi8"], q[0], yerr=[[q[0] - q[1]], [q[2] - q[0]]], capsize=3, **FAMILIES[family])
+            ax.annotate(_short(r["codec"]), (r["vs_kivi8"], q[0]), fontsize=6, xytext=(4, 2), textcoords="offset points")
         ax.axvline(TARGET_RATIO, color="grey", ls="--", lw=1)
         ax.axhline(TARGET_DPPL, color="grey", ls="--", lw=1)
-        ax.set(yscale="symlog", xlabel="stored bytes / kivi-8's", ylabel="Δppl vs raw (%)",
-               title=f"{rows[0]['model']}: {rows[0]['docs']} docs × {rows[0]['length']} + {rows[0]['continuation']} tokens")
+        ax.set(yscale="symlog", xlabel="stored bytes / kivi-8's", ylabel="Δppl vs raw (%), 95% CI",
+               title=f"{rows[0]['model']}: {full} docs × {rows[0]['length']} + {rows[0]['continuation']} tokens")
+        handles = {f: ax.errorbar([], [], **kw) for f, kw in FAMILIES.items()}
+        ax.legend(handles.values(), handles.keys(), fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(out / "codec_frontier.png", dpi=120)
     plt.close(fig)

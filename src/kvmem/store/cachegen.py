@@ -48,6 +48,10 @@ from kvmem.store.codec import Codec, _dtype, _tensor
 ANCHOR_HALF = 127  # anchor alphabet -127..127 plus the escape: 256 symbols
 # Defaults measured on smollm2-135m while writing this (1024-token prefills, 256-token continuations): next-token KL and Δppl about kivi-4's at
 # 0.47-0.49x kivi-8's bytes (1024- and 256-token chunks); ~1/3 of kivi-8 takes bins near 0.8 (KL ~9x kivi-4's).
+# Issue 36's frontier (results/reuse/report.md, "Codec frontier"; 12 documents): the default is 0.48x at +0.50 %
+# [+0.06, +0.92] on smollm2-135m and 0.50x at +2.3 % on gemma3-270m; no setting of the grid reaches 1/3 of kivi-8
+# at Δppl <= 1 % (best at ~1/3: delta=none:sink=4 with earlier layers finer, 0.327x at +1.4 % on smollm2), so the
+# defaults stay the paper's anchor deltas.
 DEFAULTS = {"group": 10, "anchor_bin": 0.05, "key_bins": (0.25, 0.3, 0.35), "value_bins": (0.2, 0.45, 0.6), "clip": 4.0,
             "delta": "anchor", "sink": 0}
 
