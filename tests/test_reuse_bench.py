@@ -64,3 +64,44 @@ def test_similar_scenario_helpers():
     mine = rows[("semshare@0.15", "all")]
     assert mine["reused_tokens"] == 6 and mine["exact"][0] == 0.0 and mine["rouge_l_vs_recycling"][0] == -0.5
     assert mine["speedup"][0] == 1.5 and rows[("recycling", "all")]["rouge_l"][0] == 1.0
+
+
+def test_codec_frontier_records_bytes_and_quality_and_reports_them(smollm2, tmp_path):
+    """The codec-frontier part end to end on two short documents: a record per (document, codec) with the stored
+    bytes and the continuation's NLLs, a table row per codec with its ratio to kivi-8's bytes and Δppl vs raw,
+    the verdict lines and the plot."""
+    from kvmem_bench.reuse.frontier import run_frontier, summarize_frontier
+    from kvmem_bench.records import read_records
+
+    codecs = ["quant:kivi-2", "cachegen:delta=none:key_bins=0.6+0.6+0.6:value_bins=0.6+0.6+0.6"]  # canonical specs
+    path = run_frontier(smollm2, "smollm2-135m", tmp_path, codecs, docs=2, length=256, continuation=32,
+                        log=lambda *_: None)
+    records = [r for r in read_records(path) if r["kind"] == "frontier"]
+    anatomy = {r["spec"]: r for r in read_records(path) if r["kind"] == "frontier-anatomy"}
+    assert set(anatomy) == {"cachegen", "cachegen:delta=none:key_bins=0.3+0.3+0.3:value_bins=1+1+1"}
+    parts = anatomy["cachegen"]["bytes_per_token"]
+    assert parts["stream"] > 0.5 * sum(parts.values()) and parts["k_hist"] > 0 and parts["k_scale"] > 0
+    assert all(0 < b < 8 for b in anatomy["cachegen"]["entropy_bits"].values())
+    assert {(r["doc"], r["codec"]) for r in records} == {(d, c) for d in (0, 1) for c in ["raw", "quant:kivi-8", *codecs]}
+    assert all(len(r["nll"]) == 32 and r["tokens"] == 256 for r in records)
+    run_frontier(smollm2, "smollm2-135m", tmp_path, codecs, docs=2, length=256, continuation=32, log=lambda *_: None)
+    assert len(read_records(path)) == len(records) + len(anatomy)  # resumed: nothing measured twice
+    rows = {r["codec"]: r for r in summarize_frontier(records)["smollm2-135m/256/32"]}
+    assert rows["raw"]["dppl"] is None and rows["quant:kivi-8"]["vs_kivi8"] == 1.0
+    assert rows["quant:kivi-2"]["vs_kivi8"] < 0.5 and rows["quant:kivi-2"]["dppl"][0] > 0  # 2 bits cost perplexity
+    assert rows[codecs[1]]["docs"] == 2 and rows[codecs[1]]["scored_tokens"] == 64
+    report = write_report(tmp_path).read_text()
+    assert "## Codec frontier" in report and f"| smollm2-135m | {codecs[1]} | 2 × 32 |" in report
+    assert "smallest cachegen with upper CI bound" in report and (tmp_path / "codec_frontier.png").exists()
+
+
+def test_frontier_verdict_uses_the_bound_asked_for():
+    from kvmem_bench.reuse.frontier import best_under_target
+
+    rows = [dict(codec="cachegen:a", bytes_per_token=10, dppl=[0.8, 0.2, 1.4], docs=12),
+            dict(codec="cachegen:b", bytes_per_token=20, dppl=[0.5, 0.1, 0.9], docs=12),
+            dict(codec="cachegen:c", bytes_per_token=5, dppl=[0.1, -0.9, 0.8], docs=2),  # left after 2 documents
+            dict(codec="quant:kivi-2", bytes_per_token=5, dppl=[0.1, 0.0, 0.2], docs=12)]  # not cachegen: never the answer
+    assert best_under_target(rows, "upper")["codec"] == "cachegen:b"
+    assert best_under_target(rows, "point")["codec"] == "cachegen:a"
+    assert best_under_target(rows[3:]) is None

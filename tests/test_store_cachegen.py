@@ -45,7 +45,8 @@ def size(tensors: dict, meta: dict) -> int:
 
 
 @pytest.mark.parametrize("spec", ["cachegen", "cachegen:key_bins=1+2+3:value_bins=0.05:group=3:clip=2",
-                                  "cachegen:group=1", "cachegen:group=100:anchor_bin=0.5"])
+                                  "cachegen:group=1", "cachegen:group=100:anchor_bin=0.5", "cachegen:delta=none:value_bins=1",
+                                  "cachegen:delta=none:sink=9:key_bins=0.5:value_bins=1.5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_is_exactly_the_quantizers_reconstruction(spec, dtype):
     codec, layers = get_codec(spec), ragged_layers(dtype)
@@ -64,7 +65,8 @@ def test_decode_is_exactly_the_quantizers_reconstruction(spec, dtype):
             assert g["positions"].dtype == torch.int32 and torch.equal(g["positions"], o["positions"])
 
 
-@pytest.mark.parametrize("spec", ["cachegen", "cachegen:key_bins=0.1:value_bins=1:anchor_bin=0.01", "cachegen:group=4:clip=1"])
+@pytest.mark.parametrize("spec", ["cachegen", "cachegen:key_bins=0.1:value_bins=1:anchor_bin=0.01", "cachegen:group=4:clip=1",
+                                  "cachegen:delta=none:key_bins=0.3:value_bins=0.7", "cachegen:delta=none:sink=4:value_bins=2"])
 def test_error_is_at_most_half_a_bin_of_the_channel_std(spec):
     codec, layers = get_codec(spec), ragged_layers()
     decoded = codec.decode(*codec.encode(layers))
@@ -84,6 +86,41 @@ def test_deltas_are_taken_against_the_groups_anchor():
     step = 1 / (scale[1].float() * 0.001)  # one token's rise in bins
     within = torch.arange(1, 10, dtype=torch.float32).repeat(3)[:, None]  # a token's distance to its anchor
     assert ((qd - within * step).abs() <= 2).all()  # to the previous token, every delta would be one step
+
+
+def test_without_deltas_tokens_are_coded_as_themselves_at_the_same_reconstruction_as_coarse_anchors():
+    """delta=none: no anchors; every token is its own symbol at the layer's bin, which is exactly what closed-loop
+    deltas give when the anchors are as coarse as the deltas (anchor and delta land on the same grid)."""
+    layers = ragged_layers()
+    plain = get_codec("cachegen:delta=none:key_bins=0.5:value_bins=0.5")
+    anchored = get_codec("cachegen:key_bins=0.5:value_bins=0.5:anchor_bin=0.5")
+    assert plain.spec == "cachegen:delta=none:key_bins=0.5+0.5+0.5:value_bins=0.5+0.5+0.5"
+    scale, qa, qd = _quantize(layers[0].heads[0]["keys"], plain.coded_group, plain.anchor_bin, 0.5)
+    assert qa.shape == (0, 16) and qd.shape == (57, 16)
+    for a, b in zip(plain.decode(*plain.encode(layers)), anchored.reconstruct(layers)):
+        for x, y in zip(a.heads, b.heads):
+            assert torch.allclose(x["keys"], y["keys"], atol=1e-5) and torch.allclose(x["values"], y["values"], atol=1e-5)
+
+
+def test_sink_positions_are_coded_at_the_fine_bin_wherever_they_sit():
+    """delta=none:sink=N: rows at positions < N (found by position, so evicted or stored positions work too) get
+    anchor_bin's error bound, the rest their layer's bin; a chunk claiming a bad sink is refused."""
+    codec = get_codec("cachegen:delta=none:sink=9:anchor_bin=0.01:key_bins=2:value_bins=2")
+    layers = ragged_layers()
+    tensors, meta = codec.encode(layers)
+    decoded = codec.decode(tensors, meta)
+    fine_rows = 0
+    for rows, dec in zip(layers, decoded):
+        for o, d in zip(rows.heads, dec.heads):
+            fine = o["positions"] < 9
+            fine_rows += int(fine.sum())
+            for field in ("keys", "values"):
+                scale, _, _ = _quantize(o[field], 0, 0.01, 2.0)
+                err = (d[field] - o[field]).abs() / scale[1].float()
+                assert (err[fine] <= 0.005 * 1.01 + 1e-4).all() and (err[~fine] <= 1.0 * 1.01).all()
+    assert fine_rows == 9 + 1 + 5 + 9  # head 0 of layer 0, the one-row head, layer 1's evicted positions, layer 2 head 0
+    with pytest.raises(KVMemError, match="sink"):
+        codec.decode(tensors, {**meta, "sink": -2})
 
 
 def test_correlated_tokens_compress_better_than_the_same_tokens_shuffled():
@@ -133,7 +170,10 @@ def test_spec_is_canonical():
 
 @pytest.mark.parametrize("spec, word", [("cachegen:bins=3", "bins"), ("cachegen:group=x", "group"),
                                         ("cachegen:key_bins=0.1+0.2", "key_bins"), ("cachegen:value_bins=-1", "value_bins"),
-                                        ("cachegen:group=0", "group"), ("cachegen:clip", "clip")])
+                                        ("cachegen:group=0", "group"), ("cachegen:clip", "clip"),
+                                        ("cachegen:delta=prev", "delta"), ("cachegen:delta=none:group=5", "delta=none"),
+                                        ("cachegen:delta=none:anchor_bin=0.1", "sink"), ("cachegen:sink=4", "sink"),
+                                        ("cachegen:delta=none:sink=-1", "sink"), ("cachegen:delta=none:sink=x", "sink")])
 def test_bad_options_are_refused(spec, word):
     with pytest.raises(KVMemError, match=word):
         get_codec(spec)

@@ -76,7 +76,7 @@ def eval_(
     eval_settings: str = typer.Option("agnostic,aware", "--settings", help="longctx: comma-separated settings, agnostic and/or aware (the latter doubles a sample's cost)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
     cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
-    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic, semshare (SemShareKV vs token recycling; not in the default); serve: store_on, store_off, soak, replicas, batching, cluster_replicas, cluster_soak; batching: sweep, memory, steps; kvdirect: decode, growth (default all)."),
+    parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic, semshare (SemShareKV vs token recycling; not in the default), codec-frontier (bytes vs Δppl of CacheGen settings; not in the default); serve: store_on, store_off, soak, replicas, batching, cluster_replicas, cluster_soak; batching: sweep, memory, steps; kvdirect: decode, growth (default all)."),
     texts: int = typer.Option(2, help="quant: held-out perplexity texts per model (each --lengths tokens); longgen: streaming perplexity texts."),
     every: int = typer.Option(1, help="longgen: decoded tokens between re-compressions (Compressor's every=N)."),
     extra_rows: int = typer.Option(64, help="longgen: rows a head may hold beyond what it kept of the prompt (Compressor's extra_rows)."),

@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvmem_bench.perplexity import delta_ppl
+from kvmem_bench.reuse.frontier import frontier_goals, frontier_section, summarize_frontier
 from kvmem_bench.records import read_records
 from kvmem_bench.stats import bootstrap_mean, paired_difference
 
@@ -165,6 +166,7 @@ def write_report(out: Path) -> Path:
                   f"| greedy answers equal to cold | | {m['chunk_answer_equal']:.0%} | {m['semantic_answer_equal']:.0%} |",
                   f"| largest logit difference to cold | | {m['max_logit_diff_chunk']:.1e} | {m['max_logit_diff_semantic']:.1e} |"]
     lines += similar_section(out)
+    lines += frontier_section(out)
     lines += ["", "## Goals", ""]
     for m, n in sorted({(r["model"], r["length"]) for r in summary["cold"]}):
         best = {t: max(((r["speedup"], r["codec"]) for r in summary["warm"] if (r["model"], r["length"], r["tier"]) == (m, n, t)),
@@ -180,6 +182,9 @@ def write_report(out: Path) -> Path:
             lines.append(f"  - cachegen holds {cg['bytes'] / k8['bytes']:.2f} of kivi-8's bytes (goal ≤ 0.33: "
                          f"{'met' if cg['bytes'] / k8['bytes'] <= CACHEGEN_GOAL else 'not met'}); Δppl cachegen "
                          f"{q.get('cachegen', [float('nan')])[0]:+.2f} % vs kivi-8 {q.get('quant:kivi-8', [float('nan')])[0]:+.2f} %")
+    frontier = out / "frontier.jsonl"
+    if frontier.exists():
+        lines += frontier_goals(summarize_frontier(read_records(frontier)))
     if summary["tasks"]:
         lines.append("- task score per codec (the long-context tasks, paired with raw): " + "; ".join(
             f"{r['codec']} {r['score'][0]:.2f} (n={r['n']}"

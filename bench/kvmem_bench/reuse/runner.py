@@ -19,6 +19,8 @@ A prompt of `length` tokens is a document (`length` - 64 tokens) and a question.
 * `quality`: per codec, Delta-ppl (paired block bootstrap CI) of a held-out continuation fed on top of the
   decoded prefix against the raw one. `tasks` (optional): the long-context suite's samples answered from a
   prefix stored with each codec, scored as the main report scores them.
+* `codec-frontier` (not in the default): stored bytes against Delta-ppl for a grid of CacheGen settings and
+  kivi-2/4/8, several held-out documents per model (`kvmem_bench/reuse/frontier.py`, issue 36).
 
 The document is the held-out text of the quant benchmark, so nothing here was seen by a calibration.
 """
@@ -49,7 +51,7 @@ DEFAULT_CODECS = ["raw", "quant:kivi-8", "quant:kivi-4", "quant:kivi-2", "cacheg
 TIERS = ["memory", "disk", "redis"]
 
 
-PARTS = ("ttft", "tasks", "semantic", "semshare")
+PARTS = ("ttft", "tasks", "semantic", "semshare", "codec-frontier")
 
 
 @dataclass
@@ -291,6 +293,10 @@ def run_reuse(cfg: ReuseConfig, log=print) -> Path:
 
                 run_similar(lm, n=cfg.similar_pairs, out=cfg.out, chunk_size=cfg.chunk_size,
                             threads=cfg.threads or torch.get_num_threads(), log=log)
+            if "codec-frontier" in cfg.parts:
+                from kvmem_bench.reuse.frontier import run_frontier
+
+                run_frontier(lm, model, cfg.out, chunk_size=cfg.chunk_size, log=log)
     finally:
         if server is not None:
             server.kill()

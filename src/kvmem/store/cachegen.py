@@ -7,6 +7,12 @@ Serving" (arXiv 2310.07240). The encoder, per layer, keys and values separately:
    (paper: 10). A group's first token (the anchor) is encoded on its own, every other token as its delta to
    the anchor (not to the previous token, so groups decode independently). The delta is taken against the
    *reconstructed* anchor (closed loop), so no element carries its anchor's quantization error.
+   `delta=none` (not the paper's; issue 36) codes every token as itself at its layer's bins, no anchors: with
+   anchors as coarse as the deltas the reconstruction is the same either way, and on smollm2-135m's KV the
+   deltas' symbols carry more entropy than the tokens' own (results/reuse/report.md, "Codec frontier").
+   With it, `sink=N` codes the context's first N positions at `anchor_bin` (pooled like anchors): the anchors'
+   fine bin had been protecting the attention sink (position 0), and values at coarse bins without it cost
+   smollm2-135m +16 % Δppl where 10 % fine anchors cost +2 % (StreamingLLM's sink; not in CacheGen).
 2. Layer-wise quantization: each channel is normalized by its mean and std in the chunk (per layer, head,
    channel: float16 side info, float32 if out of float16's range). Anchors use the fine bin `anchor_bin`
    (in stds); deltas a bin that grows with depth: `key_bins`/`value_bins` give it for the first third,
@@ -42,7 +48,12 @@ from kvmem.store.codec import Codec, _dtype, _tensor
 ANCHOR_HALF = 127  # anchor alphabet -127..127 plus the escape: 256 symbols
 # Defaults measured on smollm2-135m while writing this (1024-token prefills, 256-token continuations): next-token KL and Δppl about kivi-4's at
 # 0.47-0.49x kivi-8's bytes (1024- and 256-token chunks); ~1/3 of kivi-8 takes bins near 0.8 (KL ~9x kivi-4's).
-DEFAULTS = {"group": 10, "anchor_bin": 0.05, "key_bins": (0.25, 0.3, 0.35), "value_bins": (0.2, 0.45, 0.6), "clip": 4.0}
+# Issue 36's frontier (results/reuse/report.md, "Codec frontier"; 12 documents): the default is 0.48x at +0.50 %
+# [+0.06, +0.92] on smollm2-135m and 0.50x at +2.3 % on gemma3-270m; no setting of the grid reaches 1/3 of kivi-8
+# at Δppl <= 1 % (best at ~1/3: delta=none:sink=4 with earlier layers finer, 0.327x at +1.4 % on smollm2), so the
+# defaults stay the paper's anchor deltas.
+DEFAULTS = {"group": 10, "anchor_bin": 0.05, "key_bins": (0.25, 0.3, 0.35), "value_bins": (0.2, 0.45, 0.6), "clip": 4.0,
+            "delta": "anchor", "sink": 0}
 
 
 def _bins(value, option: str) -> tuple[float, float, float]:
@@ -58,9 +69,11 @@ def _bins(value, option: str) -> tuple[float, float, float]:
     return bins
 
 
-def _quantize(x: Tensor, group: int, anchor_bin: float, bin: float) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize(x: Tensor, group: int, anchor_bin: float, bin: float, fine: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """x (T, D) -> (scale (2, D): mean and std as stored, anchor symbols (ceil(T / group), D), delta symbols
-    (T - anchors, D), int64). Rounding is to the nearest bin, so |error| <= bin / 2 stds."""
+    (T - anchors, D), int64). Rounding is to the nearest bin, so |error| <= bin / 2 stds. group 0 (delta=none):
+    no deltas; the rows marked `fine` (T,) bool (sink tokens) are the "anchors", at anchor_bin, every other
+    row is its own "delta" symbol at bin."""
     x = x.float()
     mean = x.mean(0) if len(x) else x.new_zeros(x.shape[1])
     std = x.std(0, correction=0) if len(x) else x.new_zeros(x.shape[1])
@@ -68,6 +81,10 @@ def _quantize(x: Tensor, group: int, anchor_bin: float, bin: float) -> tuple[Ten
     scale = torch.stack([mean, std])
     scale = scale.half() if scale.half().isfinite().all() else scale
     z = (x - scale[0].float()) / scale[1].float()
+    if not group:  # delta=none: every token is coded as itself, the sink tokens at the fine bin
+        fine = torch.zeros(len(x), dtype=torch.bool) if fine is None else fine
+        return (scale, (z[fine] / anchor_bin).round().clamp(-2**30, 2**30).long(),
+                (z[~fine] / bin).round().clamp(-2**30, 2**30).long())
     qa = (z[::group] / anchor_bin).round().clamp(-2**30, 2**30)
     t = torch.arange(len(x))
     anchor = (qa * anchor_bin)[t // group]  # each token's anchor as the decoder sees it (closed loop)
@@ -75,7 +92,13 @@ def _quantize(x: Tensor, group: int, anchor_bin: float, bin: float) -> tuple[Ten
     return scale, qa.long(), qd.long()
 
 
-def _dequantize(scale: Tensor, qa: Tensor, qd: Tensor, group: int, anchor_bin: float, bin: float, dtype) -> Tensor:
+def _dequantize(scale: Tensor, qa: Tensor, qd: Tensor, group: int, anchor_bin: float, bin: float, dtype,
+                fine: Tensor | None = None) -> Tensor:
+    if not group:
+        fine = torch.zeros(qa.shape[0] + qd.shape[0], dtype=torch.bool) if fine is None else fine
+        z = torch.empty(len(fine), qd.shape[1])
+        z[fine], z[~fine] = qa.float() * anchor_bin, qd.float() * bin
+        return (z * scale[1].float() + scale[0].float()).to(dtype)
     t = torch.arange(qa.shape[0] + qd.shape[0])
     z = (qa.float() * anchor_bin)[t // group]
     z[t % group != 0] += qd.float() * bin
@@ -117,17 +140,32 @@ class CacheGenCodec(Codec):
     version = 1
 
     def __init__(self, group: int = 10, anchor_bin: float = 0.05, key_bins: str = "0.25+0.3+0.35",
-                 value_bins: str = "0.2+0.45+0.6", clip: float = 4.0):
+                 value_bins: str = "0.2+0.45+0.6", clip: float = 4.0, delta: str = "anchor", sink: int = 0):
         if group < 1 or anchor_bin <= 0 or clip <= 0:
             raise KVMemError(f"cachegen takes group >= 1, anchor_bin > 0 and clip > 0; got group {group}, "
                              f"anchor_bin {anchor_bin}, clip {clip}")
-        self.group, self.anchor_bin, self.clip = group, float(anchor_bin), float(clip)
+        if delta not in ("anchor", "none"):
+            raise KVMemError(f"cachegen option delta is anchor (to the group's anchor token) or none (every token "
+                             f"coded as itself), got {delta!r}")
+        if delta == "none" and group != DEFAULTS["group"]:
+            raise KVMemError("cachegen option delta=none has no anchor groups: group does not apply")
+        if sink < 0 or (sink and delta != "none"):
+            raise KVMemError(f"cachegen option sink (the first positions coded at anchor_bin) is >= 0 and only for "
+                             f"delta=none (with anchor deltas every group's anchor is already fine); got sink {sink}")
+        if delta == "none" and anchor_bin != DEFAULTS["anchor_bin"] and not sink:
+            raise KVMemError("cachegen option delta=none has no anchors: anchor_bin applies only with sink > 0")
+        self.group, self.anchor_bin, self.clip, self.delta, self.sink = group, float(anchor_bin), float(clip), delta, sink
         self.key_bins, self.value_bins = _bins(key_bins, "key_bins"), _bins(value_bins, "value_bins")
 
     @property
     def spec(self) -> str:
         fmt = lambda v: "+".join(f"{b:g}" for b in v) if isinstance(v, tuple) else v  # noqa: E731
         return format_spec(self.name, {k: fmt(getattr(self, k)) for k, d in DEFAULTS.items() if getattr(self, k) != d})
+
+    @property
+    def coded_group(self) -> int:
+        """The group size as stored in the meta: 0 for delta=none (no anchors)."""
+        return self.group if self.delta == "anchor" else 0
 
     def layer_bins(self, layer: int, n_layers: int) -> tuple[float, float]:
         """(key bin, value bin) of a layer: its third of the depth picks the entry of key_bins / value_bins."""
@@ -139,14 +177,15 @@ class CacheGenCodec(Codec):
         for rows in layers:
             if any("log_weights" in h for h in rows.heads):
                 raise KVMemError("the cachegen codec cannot store rows that stand for several tokens (log-weights); use raw")
-        return [[[_quantize(h[f], self.group, self.anchor_bin, b) for h in rows.heads]
+        return [[[_quantize(h[f], self.coded_group, self.anchor_bin, b, _fine(h["positions"], self.coded_group, self.sink))
+                  for h in rows.heads]
                  for f, b in zip(("keys", "values"), self.layer_bins(l, len(layers)))] for l, rows in enumerate(layers)]
 
     def reconstruct(self, layers: list[ExportedRows]) -> list[ExportedRows]:
         """What `decode(encode(layers))` returns, without the entropy coding: the quantizer's reconstruction."""
         positions = {f"{l}.{h}.positions": head["positions"] for l, r in enumerate(layers) for h, head in enumerate(r.heads)}
         metas = [self._layer_meta(l, r, len(layers)) for l, r in enumerate(layers)]
-        return _rows(self.quantize(layers), metas, positions, self.group, self.anchor_bin)
+        return _rows(self.quantize(layers), metas, positions, self.coded_group, self.anchor_bin, self.sink)
 
     def _layer_meta(self, l: int, rows: ExportedRows, n_layers: int) -> dict:
         starts = []
@@ -190,14 +229,19 @@ class CacheGenCodec(Codec):
             escapes = torch.cat(escapes)
             small = not escapes.numel() or int(escapes.abs().max()) < 2**15  # most escapes are a few bins past the clip
             tensors[f"{l}.escapes"] = escapes.to(torch.int16 if small else torch.int32)
-        return tensors, {"group": self.group, "anchor_bin": self.anchor_bin, "layers": metas}
+        return tensors, {"group": self.coded_group, "anchor_bin": self.anchor_bin, "sink": self.sink, "layers": metas}
 
     def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
-        group, anchor_bin = meta["group"], meta["anchor_bin"]
+        group, anchor_bin, sink = meta["group"], meta["anchor_bin"], meta.get("sink", 0)
+        if not isinstance(sink, int) or sink < 0 or (sink and group):
+            raise KVMemError(f"cachegen chunk: bad sink {sink!r} in its meta")
         quantized = []
         for l, lm in enumerate(meta["layers"]):
             lengths, dims, halves = lm["lengths"], lm["dims"], lm["halves"]
-            anchors = [-(-t // group) for t in lengths]
+            if group:
+                anchors = [-(-t // group) for t in lengths]
+            else:  # the sink rows of each head (none without a sink)
+                anchors = [int(_fine(_positions(lm, tensors, l, h), 0, sink).sum()) for h in range(len(lengths))]
             hists = list(unpack(_tensor(tensors, f"{l}.anchor_hist"), 3, 2 * (ANCHOR_HALF + 2)).view(2, 1, -1))
             for kv, d, half in zip("kv", dims, halves):
                 hist = unpack(_tensor(tensors, f"{l}.{kv}_hist"), 3, len(lengths) * d * (half + 2))
@@ -223,26 +267,40 @@ class CacheGenCodec(Codec):
                 fields.append([(_tensor(tensors, f"{l}.{'kv'[i]}_scale")[h], qas[h].view(a, d), qds[h].t())
                                for h, a in enumerate(anchors)])
             quantized.append(fields)
-        return _rows(quantized, meta["layers"], tensors, group, anchor_bin)
+        return _rows(quantized, meta["layers"], tensors, group, anchor_bin, sink)
 
 
-def _rows(quantized: list, metas: list[dict], tensors: dict[str, Tensor], group: int, anchor_bin: float) -> list[ExportedRows]:
+def _fine(positions: Tensor, group: int, sink: int) -> Tensor | None:
+    """delta=none (group 0): which rows are sink tokens (position < sink), coded at the fine anchor bin."""
+    return None if group else positions < sink
+
+
+def _positions(lm: dict, tensors: dict[str, Tensor], l: int, h: int) -> Tensor:
+    """Head h's positions: consecutive from its start in the layer meta, else stored beside the stream."""
+    start = lm["starts"][h]
+    return (torch.arange(start, start + lm["lengths"][h], dtype=torch.int32) if start is not None
+            else _tensor(tensors, f"{l}.{h}.positions").clone())
+
+
+def _rows(quantized: list, metas: list[dict], tensors: dict[str, Tensor], group: int, anchor_bin: float,
+          sink: int = 0) -> list[ExportedRows]:
     """Raw rows from quantized symbols: dequantized keys and values, positions from the meta or `tensors`."""
     out = []
     for l, (fields, lm) in enumerate(zip(quantized, metas)):
         dtype = _dtype(lm["dtype"])
         heads = []
-        for h, start in enumerate(lm["starts"]):
-            kv = [_dequantize(*fields[i][h], group, anchor_bin, lm["bins"][i], dtype) for i in range(2)]
-            positions = (torch.arange(start, start + lm["lengths"][h], dtype=torch.int32) if start is not None
-                         else _tensor(tensors, f"{l}.{h}.positions").clone())
+        for h in range(len(lm["starts"])):
+            positions = _positions(lm, tensors, l, h)
+            fine = _fine(positions, group, sink)
+            kv = [_dequantize(*fields[i][h], group, anchor_bin, lm["bins"][i], dtype, fine) for i in range(2)]
             heads.append({"keys": kv[0], "values": kv[1], "positions": positions})
         out.append(ExportedRows(heads))
     return out
 
 
 def parse_cachegen(spec: str) -> CacheGenCodec:
-    """`cachegen` or `cachegen:key_bins=0.3+0.5+0.7:value_bins=0.5:anchor_bin=0.05:group=10:clip=4`."""
+    """`cachegen` or `cachegen:key_bins=0.3+0.5+0.7:value_bins=0.5:anchor_bin=0.05:group=10:clip=4` (or
+    `delta=none[:sink=N]` instead of the anchor groups)."""
     name, options = parse_spec(spec, ("cachegen",), "codec")
     check_options(name, CacheGenCodec, options)
     return CacheGenCodec(**options)
