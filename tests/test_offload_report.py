@@ -32,3 +32,13 @@ def test_the_report_sets_each_policy_against_the_best_evictor_and_the_yardstick(
     assert [name for name, _, _ in points[0.1]][0] == "full" and len(points[0.1]) == 5
     plot(points, tmp_path / "offload.png")
     assert (tmp_path / "offload.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_comparison_at_unequal_resident_bytes_says_so():
+    rs = records()
+    for r in rs:
+        if r["method"] == "sentencekv":
+            r["kv_bytes"] = 45  # e.g. Gemma-3's sliding layers left whole by offload, compressed by eviction
+    text = summarize(rs)
+    assert "**Not at equal resident bytes:** `kvzip` holds 0.100 of the full cache's bytes, `sentencekv` 0.450." in text
+    assert text.count("Not at equal") == 2  # against kvzip, and against exact-topk (which held 0.1)

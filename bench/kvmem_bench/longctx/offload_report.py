@@ -50,18 +50,18 @@ def summarize(records: list[dict], setting: str = "agnostic",
         f = bootstrap_mean([full[k]["score"] for k in keys], tasks)
         lines.append(f"| full | — | {f.estimate:.3f} [{f.lo:.3f}, {f.hi:.3f}] | 1.00 | 1.000 | — |")
         points = [("full", "full", f)]
-        scores = {}
+        scores, resident = {}, {}
         for m in methods:
             rs = [by[(m, ratio)][k] for k in keys]
             scores[m] = [r["score"] for r in rs]
             s = bootstrap_mean(scores[m], tasks)
-            resident = max(r["kv_bytes"] / r["kv_bytes_full"] for r in rs)
+            resident[m] = max(r["kv_bytes"] / r["kv_bytes_full"] for r in rs)
             tier = (f"{max(r['offloaded_bytes'] / r['kv_bytes_full'] for r in rs):.3f}"
                     if all("offloaded_bytes" in r for r in rs) else "—")
             kind = _kind(m)
             points.append((m, kind, s))
             lines.append(f"| {m} | {kind} | {s.estimate:.3f} [{s.lo:.3f}, {s.hi:.3f}] | "
-                         f"{s.estimate / f.estimate if f.estimate else float('nan'):.2f} | {resident:.3f} | {tier} |")
+                         f"{s.estimate / f.estimate if f.estimate else float('nan'):.2f} | {resident[m]:.3f} | {tier} |")
         if plotted is not None:
             plotted[ratio] = points
         evictors = [m for m in methods if _kind(m) == "eviction"]
@@ -71,6 +71,10 @@ def summarize(records: list[dict], setting: str = "agnostic",
         for ref in references:
             lines += ["", f"Paired differences from `{ref}` at {ratio:g} (same samples, stratified by task; * = the "
                       "95 % CI excludes 0):", ""]
+            unequal = [m for m in methods if _kind(m) != "eviction" and abs(resident[m] - resident[ref]) > 0.1 * resident[ref]]
+            if unequal:  # e.g. Gemma-3: offload leaves sliding layers whole, eviction compresses them unless sliding=keep
+                lines += [f"**Not at equal resident bytes:** `{ref}` holds {resident[ref]:.3f} of the full cache's bytes, "
+                          + ", ".join(f"`{m}` {resident[m]:.3f}" for m in unequal) + ".", ""]
             for m, other in [(m, scores[m]) for m in methods if _kind(m) != "eviction" and m != ref] + \
                     ([("full", full_scores)] if _kind(ref) == "yardstick" else []):
                 d = paired_difference(other, scores[ref], tasks)
