@@ -14,6 +14,18 @@ from kvmem_bench.reuse.report import write_report
 
 
 
+def test_a_document_past_gemma3s_sliding_window_is_reused_whole(gemma3, tmp_path):
+    """The chunks stored are the ones a store's first request computed: a sliding layer's rows of an early chunk
+    (gone from the cache once the document is longer than its window) are in them, so the warm request reuses
+    the whole document instead of discarding every chunk."""
+    cfg = ReuseConfig(models=["gemma3-270m"], lengths=[704], codecs=["raw"], tiers=["memory"], repeats=1,
+                      continuation=16, out=tmp_path)
+    run_length(gemma3, "gemma3-270m", 704, cfg, None, log=lambda *_: None)
+    warm = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    warm = [r for r in warm if r["kind"] == "warm"]
+    assert len(warm) == 1 and warm[0]["reused_tokens"] == 704 - 64 and warm[0]["computed_tokens"] > 0
+
+
 def test_a_short_run_records_every_tier_and_codec_and_reports_them(smollm2, tmp_path, redis_server):
     out = tmp_path / "reuse"  # results/reuse, as the README block reads it
     out.mkdir()

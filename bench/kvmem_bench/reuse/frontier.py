@@ -62,21 +62,13 @@ def frontier_texts(tokenizer, docs: int, length: int = LENGTH, continuation: int
 
 
 @torch.no_grad()
-def stored_pieces(lm, doc: list[int], chunk_size: int) -> list[tuple[int, int, list]]:
-    """(start, tokens, rows) of each chunk of `doc` as a store's first request saves it: each chunk's rows taken
-    when it was computed, so a sliding-window layer holds what the chunk's last token sees (read after the whole
-    document, gemma3's sliding layers would have dropped the early chunks' rows)."""
-    from kvmem.reuse.prefix import TAIL
+def document_chunks(lm, doc: list[int], chunk_size: int) -> list[tuple[int, int, list]]:
+    """(start, tokens, rows) of each chunk of `doc` as a store's first request saves it (`runner.stored_pieces`)."""
+    from kvmem_bench.reuse.runner import stored_pieces
 
     raw = ChunkStore([MemoryTier(max_bytes=2**40)], "raw", chunk_size)
     prefill(lm, KVCache(lm.model.config), doc, raw, context_end=len(doc))
-    keys = raw.keys(lm, doc)
-    out = []
-    for start in range(0, len(doc), chunk_size):
-        n = min(chunk_size, len(doc) - start)
-        key, compression = (keys[start // chunk_size], None) if n == chunk_size else (raw.span_key(lm, doc, TAIL), TAIL)
-        out.append((start, n, raw.load(lm, key, start, n, compression, exact=True).layers))
-    return out
+    return stored_pieces(lm, raw, doc, doc)
 
 
 @torch.no_grad()
@@ -94,7 +86,7 @@ def run_frontier(lm, model: str, out: Path, codecs: list[str] | None = None, doc
         if not todo:
             continue
         doc, after = ids[:length], ids[length:]
-        pieces = stored_pieces(lm, doc, chunk_size)
+        pieces = document_chunks(lm, doc, chunk_size)
         if d == 0 and not any(r["kind"] == "frontier-anatomy" and r["model"] == model for r in read_records(path)):
             for spec in ANATOMY:
                 append_record(path, dict(kind="frontier-anatomy", model=model, length=length, chunk=chunk_size,
@@ -125,7 +117,7 @@ def _entropy_bits(q: torch.Tensor) -> float:
 
 
 def codec_anatomy(pieces: list, spec: str, bin: float = 0.5, group: int = 10) -> dict:
-    """Where a codec's bytes go on real chunks (`stored_pieces`), and what CacheGen's deltas buy on them.
+    """Where a codec's bytes go on real chunks (`document_chunks`), and what CacheGen's deltas buy on them.
 
     bytes: per tensor kind of the encoded chunks (cachegen: stream, histograms, scales, escapes), per document
     token. entropy: with anchors as coarse as the deltas (anchor_bin = bin), the closed-loop reconstruction is the

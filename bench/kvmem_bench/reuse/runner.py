@@ -40,7 +40,7 @@ from kvmem.errors import KVMemError
 from kvmem_bench.perplexity import ppl_texts, token_nlls
 from kvmem_bench.records import read_records
 from kvmem.forward import feed
-from kvmem.reuse.prefix import TAIL, chunk_rows, prefill
+from kvmem.reuse.prefix import TAIL, prefill
 from kvmem.store import ChunkStore
 from kvmem.store.tiers import DiskTier, LocalRedis, MemoryTier, RedisTier
 from kvmem_bench.records import append_record
@@ -127,11 +127,19 @@ def _median_run(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), last
 
 
-def document_pieces(cache: KVCache, end: int, n: int) -> list[tuple[int, int, list]]:
-    """(start, tokens, rows) of the full chunks of [0, end) and of its partial last chunk."""
-    out = [(i * n, n, chunk_rows(cache, i * n, (i + 1) * n)) for i in range(end // n)]
-    if end % n:
-        out.append((end // n * n, end % n, chunk_rows(cache, end // n * n, end)))
+def stored_pieces(lm, store: ChunkStore, doc: list[int], prompt: list[int]) -> list[tuple[int, int, list]]:
+    """(start, tokens, rows) of each chunk of `doc` and of its partial last chunk, read back from the raw `store` that
+    `prefill(prompt, context_end=len(doc))` wrote: each chunk's rows as they were when it was computed (read from
+    the cache after the whole document, Gemma-3's sliding layers would have dropped the early chunks' rows)."""
+    n, keys = store.chunk_size, store.keys(lm, prompt)
+    out = []
+    for start in range(0, len(doc), n):
+        t = min(n, len(doc) - start)
+        key, compression = (keys[start // n], None) if t == n else (store.span_key(lm, doc, TAIL), TAIL)
+        got = store.load(lm, key, start, t, compression, exact=True)
+        if got is None:
+            raise KVMemError(f"the raw store lacks the chunk of tokens {start}..{start + t - 1} its prefill wrote")
+        out.append((start, t, got.layers))
     return out
 
 
@@ -167,7 +175,7 @@ def run_length(lm, model: str, length: int, cfg: ReuseConfig, redis_url: str | N
     append_record(path, base | dict(kind="cold", ttft_s=cold_s, with_store_s=cold_store_s, prompt_tokens=len(second),
                               document_tokens=len(doc)))
     log(f"{model} {length}: cold TTFT {cold_s:.2f} s; first request with a store {cold_store_s:.2f} s")
-    pieces = document_pieces(cache, len(doc), cfg.chunk_size)
+    pieces = stored_pieces(lm, raw_store, doc, first)
     del cache
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-") as tmp:
         for codec in cfg.codecs:
@@ -244,11 +252,9 @@ def run_codec_tasks(lm, model: str, cfg: ReuseConfig, log=print) -> None:
                 continue
             t0 = time.perf_counter()
             prompt = build_prompt(lm.tokenizer, sample.context, sample.question, sample.answer_prefix)
-            cache = KVCache(lm.model.config)
-            prefill(lm, cache, prompt.context, ChunkStore([MemoryTier(max_bytes=2**40)], "raw", cfg.chunk_size),
-                    context_end=len(prompt.context))  # the pieces a store's first request computes
-            pieces = document_pieces(cache, len(prompt.context), cfg.chunk_size)
-            del cache
+            raw = ChunkStore([MemoryTier(max_bytes=2**40)], "raw", cfg.chunk_size)
+            prefill(lm, KVCache(lm.model.config), prompt.context, raw, context_end=len(prompt.context))
+            pieces = stored_pieces(lm, raw, prompt.context, prompt.context)  # the pieces a store's first request computes
             for codec, store in specs.items():
                 save_document(lm, store, prompt.context, prompt.ids, pieces)
                 answer_cache = KVCache(lm.model.config)
