@@ -65,6 +65,9 @@ def summarize(records: list[dict], setting: str = "agnostic",
         if plotted is not None:
             plotted[ratio] = points
         evictors = [m for m in methods if _kind(m) == "eviction"]
+        held = sorted(resident[m] for m in methods if _kind(m) != "eviction")
+        equal = [m for m in evictors if held and abs(resident[m] - held[len(held) // 2]) <= 0.1 * held[len(held) // 2]]
+        evictors = equal or evictors  # the best evictor at the policies' resident bytes, where one was run
         full_scores = [full[k]["score"] for k in keys]
         references = ([max(evictors, key=lambda m: sum(scores[m]))] if evictors else []) + \
             [m for m in methods if _kind(m) == "yardstick"]
