@@ -25,6 +25,7 @@ from kvmem.store import ChunkStore
 from kvmem.store.tiers import MemoryTier
 from kvmem_bench.perplexity import delta_ppl, ppl_texts, token_nlls
 from kvmem_bench.records import append_record, read_records
+from kvmem_bench.reuse.pieces import save_document, stored_pieces
 
 REFERENCES = ["raw", "quant:kivi-8", "quant:kivi-4", "quant:kivi-2"]
 # CacheGen settings swept (bins in channel stds; three values: first, middle, last third of the layers), chosen
@@ -63,9 +64,7 @@ def frontier_texts(tokenizer, docs: int, length: int = LENGTH, continuation: int
 
 @torch.no_grad()
 def document_chunks(lm, doc: list[int], chunk_size: int) -> list[tuple[int, int, list]]:
-    """(start, tokens, rows) of each chunk of `doc` as a store's first request saves it (`runner.stored_pieces`)."""
-    from kvmem_bench.reuse.runner import stored_pieces
-
+    """(start, tokens, rows) of each chunk of `doc` as a store's first request saves it (`pieces.stored_pieces`)."""
     raw = ChunkStore([MemoryTier(max_bytes=2**40)], "raw", chunk_size)
     prefill(lm, KVCache(lm.model.config), doc, raw, context_end=len(doc))
     return stored_pieces(lm, raw, doc, doc)
@@ -74,8 +73,6 @@ def document_chunks(lm, doc: list[int], chunk_size: int) -> list[tuple[int, int,
 @torch.no_grad()
 def run_frontier(lm, model: str, out: Path, codecs: list[str] | None = None, docs: int = DOCS, length: int = LENGTH,
                  continuation: int = CONTINUATION, chunk_size: int = 256, log=print) -> Path:
-    from kvmem_bench.reuse.runner import save_document
-
     path = out / "frontier.jsonl"
     codecs = list(dict.fromkeys(["raw", "quant:kivi-8", *(codecs or REFERENCES + GRID)]))  # raw: the reference; kivi-8: the bytes unit
     done = {(r["doc"], r["codec"]) for r in read_records(path)

@@ -40,10 +40,11 @@ from kvmem.errors import KVMemError
 from kvmem_bench.perplexity import ppl_texts, token_nlls
 from kvmem_bench.records import read_records
 from kvmem.forward import feed
-from kvmem.reuse.prefix import TAIL, prefill
+from kvmem.reuse.prefix import prefill
 from kvmem.store import ChunkStore
 from kvmem.store.tiers import DiskTier, LocalRedis, MemoryTier, RedisTier
 from kvmem_bench.records import append_record
+from kvmem_bench.reuse.pieces import save_document, stored_pieces
 
 QUESTIONS = ("\n\nQuestion: which methods does the text above propose? Answer:",
              "\n\nQuestion: what problem do the authors of the last paragraph address? Answer:")
@@ -125,34 +126,6 @@ def _median_run(fn, repeats: int) -> tuple[float, object]:
         last = fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times), last
-
-
-def stored_pieces(lm, store: ChunkStore, doc: list[int], prompt: list[int]) -> list[tuple[int, int, list]]:
-    """(start, tokens, rows) of each chunk of `doc` and of its partial last chunk, read back from the raw `store` that
-    `prefill(prompt, context_end=len(doc))` wrote: each chunk's rows as they were when it was computed (read from
-    the cache after the whole document, Gemma-3's sliding layers would have dropped the early chunks' rows)."""
-    n, keys = store.chunk_size, store.keys(lm, prompt)
-    out = []
-    for start in range(0, len(doc), n):
-        t = min(n, len(doc) - start)
-        key, compression = (keys[start // n], None) if t == n else (store.span_key(lm, doc, TAIL), TAIL)
-        got = store.load(lm, key, start, t, compression, exact=True)
-        if got is None:
-            raise KVMemError(f"the raw store lacks the chunk of tokens {start}..{start + t - 1} its prefill wrote")
-        out.append((start, t, got.layers))
-    return out
-
-
-def save_document(lm, store: ChunkStore, doc: list[int], prompt: list[int], pieces) -> list[tuple]:
-    """Write a document's pieces as `prefill(prompt, context_end=len(doc))` would; returns (key, start, tokens,
-    compression) of each."""
-    keys = store.keys(lm, prompt)
-    entries = []
-    for start, n, rows in pieces:
-        key, compression = (keys[start // store.chunk_size], None) if n == store.chunk_size else (store.span_key(lm, doc, TAIL), TAIL)
-        store.save(lm, key, rows, start, n, compression)
-        entries.append((key, start, n, compression))
-    return entries
 
 
 @torch.no_grad()

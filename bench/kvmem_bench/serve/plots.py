@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmem_bench.serve import NOT_LOAD, PHASE_LABELS
+from kvmem_bench.serve import NOT_LOAD, PHASE_LABELS, wrong_answers
 
 
 def plots(data: dict, out: Path) -> list[str]:
@@ -64,8 +64,6 @@ def outage_plot(phase: dict, path: Path, what: str, wrong: bool = False) -> None
     """TTFT of each request against its start, the outage shaded; whole loads, part loads and misses apart, errors
     as crosses and, with `wrong`, answers that differ from the reference ringed in red."""
     import matplotlib.pyplot as plt
-
-    from kvmem_bench.serve.report import wrong_answers
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.axvspan(phase["redis_down_s"], phase["redis_up_s"], color="grey", alpha=0.2, label=f"{what} down")

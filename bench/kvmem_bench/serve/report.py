@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmem_bench.serve import NOT_LOAD, PHASE_LABELS
+from kvmem_bench.serve import NOT_LOAD, PHASE_LABELS, reference_texts, wrong_answers
 from kvmem_bench.serve.plots import plots
 from kvmem_bench.stats import bootstrap_median, median_ratio, percentile
 
@@ -103,19 +103,6 @@ def restart_refill(requests: list[dict], up: float) -> dict:
     later = ok[hit + 1:]
     return dict(requests=len(ok), misses_before_hit=hit, first_hit_after_s=ok[hit]["t_end_s"] - up, later=len(later),
                 later_hits=sum(r["cached_tokens"] > 0 for r in later), first_cached=first)
-
-
-def reference_texts(phase: dict) -> dict[str, str]:
-    """question -> the reference answer (the cluster soak's server without a store; ok answers only)."""
-    return {r["question"]: r["text"] for r in phase.get("reference", {}).get("requests", []) if r["status"] == "ok"}
-
-
-def wrong_answers(phase: dict) -> tuple[list[dict], int]:
-    """(the ok requests, warm-up included, whose answer differs from the reference answer to their question, how
-    many ok requests had a reference to compare with)."""
-    ref = reference_texts(phase)
-    checked = [r for r in phase["requests"] if r["status"] == "ok" and r["question"] in ref]
-    return [r for r in checked if r["text"] != ref[r["question"]]], len(checked)
 
 
 def outage_windows(phase: dict) -> dict[str, dict]:
