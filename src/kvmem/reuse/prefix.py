@@ -171,7 +171,7 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
         start = piece[1] + piece[2]
     if tail_key is not None and start == context_end and loaded:
         tail_key = None  # loaded, so stored already
-    elif tail_key is not None and start == context_end // n * n and context_end <= limit and pieces[-1][3] != TAIL:
+    elif tail_key is not None and start == context_end // n * n and context_end <= limit and (not pieces or pieces[-1][3] != TAIL):
         # the prompt's chunks went on past the context and missed where it ends: its partial last chunk may be stored
         got = store.load(lm, tail_key, start, context_end - start, TAIL, exact=True, views=True)
         if got is not None:
