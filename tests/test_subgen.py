@@ -137,7 +137,7 @@ def test_keeps_its_own_rows_with_their_estimator_weights(prefilled):
     they hold estimator weights and rescaled values, not the tokens as they were."""
     sub = compacted(prefilled, "subgen")
     kept = positions(sub)
-    for sibling in ("random", "knorm", "attention-matching", "subgen:seed=1"):
+    for sibling in ("random", "knorm", "attention-matching:queries=window", "subgen:seed=1"):
         assert kept != positions(compacted(prefilled, sibling)), sibling
     assert kept == positions(compacted(prefilled, "subgen"))  # seeded: reproducible
     rescaled, zeroed = 0, 0
