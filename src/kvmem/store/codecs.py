@@ -11,7 +11,14 @@ stored chunk, and a chunk of another codec or version is refused on read (recomp
 * `cachegen`: CacheGen's bitstream (quantize, delta against anchor tokens, arithmetic-code); `cachegen.py`.
 
 `encode` and `decode` see whole chunks: `layers[l].heads[h]` holds `keys` (T, D), `values` (T, D),
-`positions` (T,) int32 and optionally `log_weights` (T,). `decode` returns raw rows in the same form.
+`positions` (T,) int32 and optionally `log_weights` (T,). `decode` returns raw rows in the same form, a layer whose
+heads hold as many rows as a `DenseExport` ((H, T, D) tensors; the heads are views made when asked for).
+
+Stored layouts (version 2 of both codecs; a chunk of version 1 is refused by its header, never decoded): `raw` keeps
+such a layer as `l.keys`, `l.values`, `l.positions` (one tensor each for its heads), other layers head by head
+(`l.h.keys`, ...); `quant` keeps a layer of a scheme that stacks its codes (KIVI) as one set of tensors
+(`QuantizedRows.export_layer`, layout "layer"), others head by head (`export_rows`, layout "heads"). Why: at 8k
+tokens of SmolLM2 a load made and checked ~3k heads one by one, and the per-head Python work was most of the decode.
 """
 
 from __future__ import annotations
