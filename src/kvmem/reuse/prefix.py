@@ -115,7 +115,7 @@ def _import_layer(layer, pieces: list[ExportedRows], next_position: int, spare: 
 class _Assembly:
     """Chunks put in place as they are loaded (`prefill`): each layer's rows are copied into the (H, planned rows +
     spare, D) buffers the layer will adopt while the read-ahead thread reads the next chunk, so the copy and its page
-    faults (378 MB at 8k tokens of SmolLM2, ~0.1 s after the last read before) overlap the reads. A layer is placed
+    faults (378 MB at 8k tokens of SmolLM2: ~0.1 s that used to follow the last read) overlap the reads. A layer is placed
     only if every chunk's rows of it came as a `DenseExport` of the planned shape (not a sliding layer); the others,
     or all of them if fewer rows came than planned, are imported from the chunks kept at the end (`import_chunks`)."""
 
@@ -139,7 +139,8 @@ class _Assembly:
             if buffers is None:
                 continue
             if not isinstance(rows, DenseExport) or rows.keys.shape[1] != n or a + n > self.planned or \
-                    any(getattr(rows, f).shape[::2] != b.shape[::2] for f, b in buffers.items()):
+                    any(getattr(rows, f).shape[::2] != b.shape[::2] or getattr(rows, f).dtype != b.dtype
+                        for f, b in buffers.items()):
                 self.buffers[l] = None  # imported from the chunks at the end
                 continue
             for f, b in buffers.items():
