@@ -403,7 +403,8 @@ class QuantizedRows(Rows):
         if meta.get("codec") != scheme.spec:
             raise KVMemError(f"rows are encoded as {meta.get('codec')!r}; this layer holds {scheme.spec!r}")
         if meta.get("format") != LAYER_FORMAT:
-            raise KVMemError(f"encoded layer of an unknown format {meta.get('format')!r} (this kvmem reads {LAYER_FORMAT})")
+            raise KVMemError(f"encoded layer of an unknown format {meta.get('format')!r} (this kvmem reads "
+                             f"{LAYER_FORMAT})")
         dtype = getattr(torch, str(meta.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
             raise KVMemError(f"encoded rows name an unknown dtype {meta.get('dtype')!r}")
@@ -417,15 +418,16 @@ class QuantizedRows(Rows):
         heads, rows = p.shape
         for what, q in (("keys", keys), ("values", values)):
             if type(q) is not Quantized:
-                raise KVMemError(f"encoded {what} of type {type(q).__name__}; the per-layer layout holds Quantized codes")
+                raise KVMemError(f"encoded {what} of type {type(q).__name__}; the per-layer layout holds Quantized "
+                                 f"codes")
             q.check()
             if len(q.shape) != 3 or q.shape[0] != heads or q.dtype != dtype:
                 raise KVMemError(f"encoded {what} of shape {q.shape} {q.dtype}, for {heads} heads of {dtype}")
         n = keys.shape[1]
-        if values.shape[1] != n or rk.dim() != 3 or tuple(rk.shape[:2]) != (heads, rows - n) or rk.shape[2] != keys.shape[2] \
-                or rv.dim() != 3 or tuple(rv.shape[:2]) != (heads, rows - n) or rv.shape[2] != values.shape[2]:
-            raise KVMemError(f"encoded ({n}) and residual rows {tuple(rk.shape)}, {tuple(rv.shape)} do not add up to the "
-                             f"heads' {rows} positions")
+        residual = [(heads, rows - n, keys.shape[2]), (heads, rows - n, values.shape[2])]
+        if values.shape[1] != n or [tuple(rk.shape), tuple(rv.shape)] != residual:
+            raise KVMemError(f"encoded ({n}) and residual rows {tuple(rk.shape)}, {tuple(rv.shape)} do not add up to "
+                             f"the heads' {rows} positions")
         out = cls(scheme, heads, keys.shape[2], dtype, p.device, values.shape[2])
         out.pq = list(p[:, :n].clone().unbind(0))
         out._hold_joined(True, keys, values)
