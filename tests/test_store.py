@@ -112,7 +112,7 @@ def _damage(kind: str, lm, store: ChunkStore, key: str) -> None:
         blob = chunk.pack(tensors, header)  # a well-formed chunk, but not this model's / tokenizer's / codec's
     elif kind == "wrong rows":
         tensors, header = chunk.unpack(blob)
-        tensors["0.0.keys"] = tensors["0.0.keys"][:-1].clone()
+        tensors["0.keys"] = tensors["0.keys"][:, :-1].clone()  # layer 0's heads, stacked (raw codec version 2)
         blob = chunk.pack(tensors, header)  # checksum fine, rows short
     tier.put(key, blob)
 

@@ -47,6 +47,30 @@ class ExportedRows:
         return [int(h["positions"].numel()) for h in self.heads]
 
 
+class DenseExport(ExportedRows):
+    """Raw rows of a layer whose heads hold as many rows, kept as one (H, T, D) tensor per keys and values and (H, T)
+    positions: a stored chunk's layer as the store decodes it (`kvmem.store.codecs`). The store checks and the prefix
+    loader imports these three tensors layer by layer; `heads` (views, as every other consumer reads rows) is made on
+    first use only. Why: a loaded SmolLM2 chunk held 694 objects tracked by the garbage collector head by head (214 as
+    these), and at 8k they brought on a full collection of the benchmark's process (0.2 s) inside the load. The
+    shapes are what the caller says they are: `kvmem.store.store` checks them before anything reads a head."""
+
+    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor):
+        self.keys, self.values, self.positions = keys, values, positions
+        self.codec, self.meta = "raw", {}
+        self._heads: list[dict[str, Tensor]] | None = None
+
+    @property
+    def heads(self) -> list[dict[str, Tensor]]:  # type: ignore[override]
+        if self._heads is None:
+            self._heads = [{"keys": k, "values": v, "positions": p}
+                           for k, v, p in zip(self.keys.unbind(0), self.values.unbind(0), self.positions.unbind(0))]
+        return self._heads
+
+    def lengths(self) -> list[int]:
+        return [int(self.positions.shape[1])] * int(self.positions.shape[0])
+
+
 class KernelRows(NamedTuple):
     """What the decode kernel reads of one sequence's layer: its KV heads' encoded rows joined along rows (head h's
     at offsets[h]:offsets[h + 1]; None where nothing is encoded) and each head's full-precision rows, all views."""

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
-from kvmem.quant.encoded import EXPORT_FORMAT, flatten, unflatten
+from kvmem.quant.encoded import EXPORT_FORMAT, LAYER_FORMAT, flatten, unflatten
 from kvmem.quant.pack import Quantized
 from kvmem.rows import ExportedRows, KernelRows, Rows, empty_rows, store_rows
 
@@ -267,13 +267,16 @@ class QuantizedRows(Rows):
             keys = self.scheme.join_heads(parts[0] if parts else self.qk, stacked)
             if keys is None:
                 return None
-            values = self.scheme.join_heads(parts[1] if parts else self.qv, stacked)
-            counts = [p.numel() for p in self.pq]
-            self.qk, self.qv = self.scheme.split_heads(keys, counts, stacked), self.scheme.split_heads(values, counts, stacked)
-            heads = torch.arange(len(counts), dtype=torch.int32).repeat_interleave(torch.tensor(counts))
-            offsets = torch.tensor([0] + counts).cumsum(0)
-            self._join = (stacked, keys, values, torch.stack(self.pq) if stacked else torch.cat(self.pq), heads, offsets)
+            self._hold_joined(stacked, keys, self.scheme.join_heads(parts[1] if parts else self.qv, stacked))
         return self._join[1:]
+
+    def _hold_joined(self, stacked: bool, keys: Encoded, values: Encoded) -> None:
+        """Hold joined codes (the per-head rows become views of them) with their positions, rows' heads and offsets."""
+        counts = [p.numel() for p in self.pq]
+        self.qk, self.qv = self.scheme.split_heads(keys, counts, stacked), self.scheme.split_heads(values, counts, stacked)
+        heads = torch.arange(len(counts), dtype=torch.int32).repeat_interleave(torch.tensor(counts))
+        offsets = torch.tensor([0] + counts).cumsum(0)
+        self._join = (stacked, keys, values, torch.stack(self.pq) if stacked else torch.cat(self.pq), heads, offsets)
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         self.res.append(keys, values, positions)
@@ -369,6 +372,68 @@ class QuantizedRows(Rows):
             head_meta.append(meta)
         return ExportedRows(heads, codec=self.codec, meta={"format": EXPORT_FORMAT, "dtype": str(self.dtype).split(".")[-1],
                                                            "heads": head_meta})
+
+    def export_layer(self) -> tuple[dict[str, Tensor], dict] | None:
+        """The rows as held, in one set of tensors for the whole layer (the per-layer layout, `LAYER_FORMAT`): the
+        heads' codes stacked (`k.*`, `v.*`: (H, n, ...)), the residual (H, r, D) and the positions (H, n + r), with
+        `meta` as `export_rows` writes it. For a layer whose heads hold as many encoded and residual rows (a stored
+        chunk) and whose scheme stacks `Quantized` codes (KIVI); None otherwise (use `export_rows`). `import_layer`
+        reads it in a few operations per layer where `import_encoded` takes a few per head."""
+        counts, lengths = {p.numel() for p in self.pq}, set(self.lengths())
+        if len(counts) != 1 or len(lengths) != 1 or not counts.pop() or self.scheme.encoded_types != (Quantized,):
+            return None
+        joined, res = self._joined(stacked=True), self.res.stacked()
+        if joined is None or res is None:
+            return None
+        keys, values, positions = joined[:3]
+        rk, rv, rp = res
+        tensors = {"positions": torch.cat([positions, rp], dim=1), "residual_keys": rk.clone(),
+                   "residual_values": rv.clone()}
+        meta: dict = {}
+        for prefix, q in (("k", keys), ("v", values)):
+            flatten(q, prefix, tensors, meta, self.scheme.encoded_type_names())
+        return tensors, {"format": LAYER_FORMAT, "codec": self.codec, "dtype": str(self.dtype).split(".")[-1],
+                         "codes": meta}
+
+    @classmethod
+    def import_layer(cls, scheme: Scheme, tensors: dict[str, Tensor], meta: dict) -> QuantizedRows:
+        """Rows exported by `export_layer` from a layer of the same scheme, checked as `import_encoded` checks them
+        (codec, format, types, dtype, positions int32 and increasing, encoded + residual rows adding up) and the codes'
+        tensors against their shapes (`Quantized.check`): stored state is never trusted."""
+        if meta.get("codec") != scheme.spec:
+            raise KVMemError(f"rows are encoded as {meta.get('codec')!r}; this layer holds {scheme.spec!r}")
+        if meta.get("format") != LAYER_FORMAT:
+            raise KVMemError(f"encoded layer of an unknown format {meta.get('format')!r} (this kvmem reads "
+                             f"{LAYER_FORMAT})")
+        dtype = getattr(torch, str(meta.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise KVMemError(f"encoded rows name an unknown dtype {meta.get('dtype')!r}")
+        if missing := {"positions", "residual_keys", "residual_values"} - set(tensors):
+            raise KVMemError(f"the encoded layer lacks {sorted(missing)}")
+        types = scheme.encoded_type_names()
+        keys, values = (unflatten(prefix, tensors, meta.get("codes") or {}, types) for prefix in ("k", "v"))
+        p, rk, rv = tensors["positions"], tensors["residual_keys"], tensors["residual_values"]
+        if p.dtype != torch.int32 or p.dim() != 2 or (p.shape[1] > 1 and not bool((p[:, 1:] > p[:, :-1]).all())):
+            raise KVMemError("positions must be int32 (heads, rows) and increasing")
+        heads, rows = p.shape
+        for what, q in (("keys", keys), ("values", values)):
+            if type(q) is not Quantized:
+                raise KVMemError(f"encoded {what} of type {type(q).__name__}; the per-layer layout holds Quantized "
+                                 f"codes")
+            q.check()
+            if len(q.shape) != 3 or q.shape[0] != heads or q.dtype != dtype:
+                raise KVMemError(f"encoded {what} of shape {q.shape} {q.dtype}, for {heads} heads of {dtype}")
+        n = keys.shape[1]
+        residual = [(heads, rows - n, keys.shape[2]), (heads, rows - n, values.shape[2])]
+        if values.shape[1] != n or [tuple(rk.shape), tuple(rv.shape)] != residual:
+            raise KVMemError(f"encoded ({n}) and residual rows {tuple(rk.shape)}, {tuple(rv.shape)} do not add up to "
+                             f"the heads' {rows} positions")
+        out = cls(scheme, heads, keys.shape[2], dtype, p.device, values.shape[2])
+        out.pq = list(p[:, :n].clone().unbind(0))
+        out._hold_joined(True, keys, values)
+        out.res = store_rows(list(rk.unbind(0)), list(rv.unbind(0)), list(p[:, n:].unbind(0)), grow=scheme.group,
+                             padded=True)
+        return out
 
     @classmethod
     def import_encoded(cls, scheme: Scheme, rows: ExportedRows) -> QuantizedRows:

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from kvmem.errors import KVMemError
 
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 1  # per head (`QuantizedRows.export_rows`)
+LAYER_FORMAT = 2  # one set of tensors for a layer's heads (`QuantizedRows.export_layer`)
 
 
 def flatten(obj, prefix: str, tensors: dict, meta: dict, types: dict[str, type]) -> None:

@@ -79,6 +79,23 @@ class Quantized:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def check(self) -> None:
+        """Raise a KVMemError unless the tensors hold what the fields say (rows read back from storage: the codes packed
+        at `bits` along the last dim, one uint8 per byte; float16 scales and zero-points (..., groups) along `dim`)."""
+        shape, nd = tuple(self.shape), len(self.shape)
+        if self.bits not in BITS or self.group < 1 or not 0 <= self.dim < nd or shape[self.dim] % self.group:
+            raise KVMemError(f"quantized rows of {self.bits} bits in groups of {self.group} along dim {self.dim} cannot "
+                             f"hold {shape}")
+        packed = (*shape[:-1], shape[-1] if self.bits == 8 else -(-shape[-1] // 8) * self.bits)
+        groups = (*shape[:self.dim], *shape[self.dim + 1:], shape[self.dim] // self.group)
+        if self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != packed:
+            raise KVMemError(f"packed codes {tuple(self.packed.shape)} {self.packed.dtype}; {shape} at {self.bits} bits "
+                             f"packs into {packed} uint8")
+        for name, t in (("scales", self.scale), ("zero-points", self.zero)):
+            if t.dtype != torch.float16 or tuple(t.shape) != groups:
+                raise KVMemError(f"{name} {tuple(t.shape)} {t.dtype}; {shape} in groups of {self.group} along dim "
+                                 f"{self.dim} has {groups} float16")
+
     # -- the `Encoded` contract of kvmem.quant.base: rows along dim 0 --
     @property
     def rows(self) -> int:

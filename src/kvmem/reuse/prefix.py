@@ -22,7 +22,7 @@ import torch
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
 from kvmem.quant import QuantizedRows
-from kvmem.rows import GROW, ExportedRows
+from kvmem.rows import GROW, DenseExport, ExportedRows
 from kvmem.store.store import ChunkStore, Loaded, StoreWarning
 
 
@@ -92,25 +92,85 @@ def import_chunks(cache: KVCache, chunks: list[list[ExportedRows]], next_positio
     if any(layer.is_initialized for layer in cache.layers):
         raise KVMemError("stored chunks load into an empty cache only")
     for l, layer in enumerate(cache.layers):
-        parts = [[c[l].heads[h] for c in chunks] for h in range(len(chunks[0][l].heads))]
-        rows = None if layer.is_sliding else _joined_in_place(parts, spare)
-        adopt = rows is not None
-        if rows is None:
-            heads = []
-            for head_parts in parts:
-                head = {f: torch.cat([p[f] for p in head_parts]) for f in head_parts[0]}
-                if layer.is_sliding:
-                    keep = (head["positions"] > next_position - layer.sliding_window).nonzero().flatten()
-                    head = {f: t.index_select(0, keep) for f, t in head.items()}
-                heads.append(head)
-            rows = ExportedRows(heads)
-        layer.import_rows(rows, next_position, spare, adopt)
+        _import_layer(layer, [c[l] for c in chunks], next_position, spare)
 
 
-def _joined_in_place(parts: list[list[dict]], spare: int) -> ExportedRows | None:
-    """Every head's chunks joined straight into one (H, rows + spare, D) buffer per field, which the layer adopts as
-    its storage (`rows.store_rows`): one copy of the loaded rows instead of two (at 8k tokens of SmolLM2, 378 MB and
-    its page faults). None where heads differ in length or carry more than keys, values and positions."""
+def _import_layer(layer, pieces: list[ExportedRows], next_position: int, spare: int) -> None:
+    """One layer's rows of consecutive chunks into the (empty) layer (`import_chunks`)."""
+    rows = None if layer.is_sliding else _joined_in_place(pieces, spare)
+    adopt = rows is not None
+    if rows is None:
+        parts = [[p.heads[h] for p in pieces] for h in range(len(pieces[0].heads))]
+        heads = []
+        for head_parts in parts:
+            head = {f: torch.cat([p[f] for p in head_parts]) for f in head_parts[0]}
+            if layer.is_sliding:
+                keep = (head["positions"] > next_position - layer.sliding_window).nonzero().flatten()
+                head = {f: t.index_select(0, keep) for f, t in head.items()}
+            heads.append(head)
+        rows = ExportedRows(heads)
+    layer.import_rows(rows, next_position, spare, adopt)
+
+
+class _Assembly:
+    """Chunks put in place as they are loaded (`prefill`): each layer's rows are copied into the (H, planned rows +
+    spare, D) buffers the layer will adopt while the read-ahead thread reads the next chunk, so the copy and its page
+    faults (378 MB at 8k tokens of SmolLM2: ~0.1 s that used to follow the last read) overlap the reads. A layer is placed
+    only if every chunk's rows of it came as a `DenseExport` of the planned shape (not a sliding layer); the others,
+    or all of them if fewer rows came than planned, are imported from the chunks kept at the end (`import_chunks`)."""
+
+    def __init__(self, cache: KVCache, planned: int, spare: int):
+        self.cache, self.planned, self.spare = cache, planned, spare
+        self.chunks: list[list[ExportedRows]] = []
+        self.buffers: list[dict[str, torch.Tensor] | None] = []
+        self.rows = 0
+
+    def add(self, layers: list[ExportedRows], tokens: int) -> None:
+        """The next chunk's rows, of `tokens` tokens (what a layer that is not sliding holds of it)."""
+        if not self.chunks:
+            self.buffers = [None if layer.is_sliding or not isinstance(rows, DenseExport) else
+                            {f: torch.empty((t.shape[0], self.planned + self.spare, *t.shape[2:]), dtype=t.dtype)
+                             for f, t in (("keys", rows.keys), ("values", rows.values), ("positions", rows.positions))}
+                            for layer, rows in zip(self.cache.layers, layers)]
+        self.chunks.append(layers)
+        a, n = self.rows, tokens
+        for l, rows in enumerate(layers):
+            buffers = self.buffers[l]
+            if buffers is None:
+                continue
+            if not isinstance(rows, DenseExport) or rows.keys.shape[1] != n or a + n > self.planned or \
+                    any(getattr(rows, f).shape[::2] != b.shape[::2] or getattr(rows, f).dtype != b.dtype
+                        for f, b in buffers.items()):
+                self.buffers[l] = None  # imported from the chunks at the end
+                continue
+            for f, b in buffers.items():
+                b[:, a:a + n].copy_(getattr(rows, f))
+        self.rows += n
+
+    def finish(self, next_position: int) -> None:
+        """Every layer's rows into the cache: the placed layers adopt their buffers."""
+        for l, layer in enumerate(self.cache.layers):
+            buffers = self.buffers[l]
+            if buffers is None or self.rows != self.planned:
+                _import_layer(layer, [c[l] for c in self.chunks], next_position, self.spare)
+                continue
+            layer.import_rows(ExportedRows([{f: b[h, :self.rows] for f, b in buffers.items()}
+                                            for h in range(buffers["keys"].shape[0])]), next_position, self.spare, True)
+
+
+def _joined_in_place(pieces: list[ExportedRows], spare: int) -> ExportedRows | None:
+    """One layer's chunks joined straight into one (H, rows + spare, D) buffer per field, which the layer adopts as its
+    storage (`rows.store_rows`): one copy of the loaded rows instead of two (at 8k tokens of SmolLM2, 378 MB and its
+    page faults). Chunks decoded as `DenseExport` are read as their (H, T, D) tensors (no per-head dicts are made).
+    None where heads differ in length or carry more than keys, values and positions."""
+    if all(isinstance(p, DenseExport) for p in pieces) and len({p.keys.shape[::2] for p in pieces}) == 1:
+        n = sum(p.keys.shape[1] for p in pieces)
+        buffers = {f: torch.empty((t.shape[0], n + spare, *t.shape[2:]), dtype=t.dtype)
+                   for f, t in (("keys", pieces[0].keys), ("values", pieces[0].values), ("positions", pieces[0].positions))}
+        for f, buffer in buffers.items():
+            torch.cat([getattr(p, f) for p in pieces], dim=1, out=buffer[:, :n])
+        return ExportedRows([{f: buffer[h, :n] for f, buffer in buffers.items()} for h in range(buffers["keys"].shape[0])])
+    parts = [[p.heads[h] for p in pieces] for h in range(len(pieces[0].heads))]
     if any(set(p) != {"keys", "values", "positions"} for head in parts for p in head):
         return None
     n = {sum(p["positions"].shape[0] for p in head) for head in parts}
@@ -161,28 +221,35 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
         tail_key = store.span_key(lm, ids[:context_end], TAIL)
         if len(pieces) == context_end // n and context_end <= limit:
             pieces.append((tail_key, len(pieces) * n, context_end % n, TAIL, True))
-    loaded: list[list[ExportedRows]] = []
+    # each piece is put in place while the next one is read (`_Assembly`); rows for the rest and the first answer tokens
+    planned = pieces[-1][1] + pieces[-1][2] if pieces else 0
+    assembly = _Assembly(cache, planned, spare=len(ids) - planned + GROW)
     start = 0
     for piece, got in zip(pieces, store.load_run(lm, pieces, views=True) if pieces else ()):
         if got is None:
             break
-        loaded.append(got.layers)
         report.add_load(got, piece[2])
+        t = time.perf_counter()
+        assembly.add(got.layers, piece[2])
+        report.import_s += time.perf_counter() - t
         start = piece[1] + piece[2]
-    if tail_key is not None and start == context_end and loaded:
+    if tail_key is not None and start == context_end and assembly.chunks:
         tail_key = None  # loaded, so stored already
     elif tail_key is not None and start == context_end // n * n and context_end <= limit and (not pieces or pieces[-1][3] != TAIL):
         # the prompt's chunks went on past the context and missed where it ends: its partial last chunk may be stored
         got = store.load(lm, tail_key, start, context_end - start, TAIL, exact=True, views=True)
         if got is not None:
-            loaded.append(got.layers)
             report.add_load(got, context_end - start)
+            t = time.perf_counter()
+            assembly.add(got.layers, context_end - start)
+            report.import_s += time.perf_counter() - t
             start, tail_key = context_end, None
-    report.chunks_loaded = len(loaded)
-    if loaded:
+    report.chunks_loaded = len(assembly.chunks)
+    if assembly.chunks:
         t = time.perf_counter()
-        import_chunks(cache, loaded, start, spare=len(ids) - start + GROW)  # the rest and the first answer tokens
-        report.import_s = time.perf_counter() - t
+        assembly.spare = len(ids) - start + GROW  # (as planned, unless fewer pieces came: then imported afresh)
+        assembly.finish(start)
+        report.import_s += time.perf_counter() - t
     return compute_rest(lm, cache, ids, start, store, keys, n, report, context_end, tail_key, interrupt), report
 
 

@@ -11,44 +11,72 @@ stored chunk, and a chunk of another codec or version is refused on read (recomp
 * `cachegen`: CacheGen's bitstream (quantize, delta against anchor tokens, arithmetic-code); `cachegen.py`.
 
 `encode` and `decode` see whole chunks: `layers[l].heads[h]` holds `keys` (T, D), `values` (T, D),
-`positions` (T,) int32 and optionally `log_weights` (T,). `decode` returns raw rows in the same form.
+`positions` (T,) int32 and optionally `log_weights` (T,). `decode` returns raw rows in the same form, a layer whose
+heads hold as many rows as a `DenseExport` ((H, T, D) tensors; the heads are views made when asked for).
+
+Stored layouts (version 2 of both codecs; a chunk of version 1 is refused by its header, never decoded): `raw` keeps
+such a layer as `l.keys`, `l.values`, `l.positions` (one tensor each for its heads), other layers head by head
+(`l.h.keys`, ...); `quant` keeps a layer of a scheme that stacks its codes (KIVI) as one set of tensors
+(`QuantizedRows.export_layer`, layout "layer"), others head by head (`export_rows`, layout "heads"). Why: at 8k
+tokens of SmolLM2 a load made and checked ~3k heads one by one, and the per-head Python work was most of the decode.
 """
 
 from __future__ import annotations
 
 import copy
 
+import torch
 from torch import Tensor
 
 from kvmem.errors import KVMemError
 from kvmem.quant.base import Scheme
-from kvmem.rows import ExportedRows
+from kvmem.rows import DenseExport, ExportedRows
 from kvmem.store.cachegen import parse_cachegen
 from kvmem.store.codec import Codec, _tensor
 
 
 class RawCodec(Codec):
     name = "raw"
+    version = 2  # 2: a layer whose heads hold as many rows is stored as (H, T, D) tensors (1: always head by head)
     lossless = True
     carries_encoded = True
 
     def encode(self, layers: list[ExportedRows]) -> tuple[dict[str, Tensor], dict]:
         tensors: dict[str, Tensor] = {}
         encoded = []  # per layer: None (raw rows), or the codec, metadata and field names of rows held encoded
+        dense = []  # per layer: raw rows of equally long heads, stored as one tensor per field (decoded as DenseExport)
         for l, rows in enumerate(layers):
-            for h, head in enumerate(rows.heads):
-                for field, t in head.items():
-                    tensors[f"{l}.{h}.{field}"] = t.contiguous()
+            stack = rows.codec == "raw" and _dense(rows)
+            if stack:
+                for field in ("keys", "values", "positions"):
+                    tensors[f"{l}.{field}"] = (getattr(rows, field) if isinstance(rows, DenseExport) else
+                                               torch.stack([head[field] for head in rows.heads]))
+            else:
+                for h, head in enumerate(rows.heads):
+                    for field, t in head.items():
+                        tensors[f"{l}.{h}.{field}"] = t.contiguous()
+            dense.append(stack)
             encoded.append(None if rows.codec == "raw" else
                            {"codec": rows.codec, "meta": rows.meta, "fields": [sorted(head) for head in rows.heads]})
-        meta = {"heads": [len(r.heads) for r in layers], "weighted": [any("log_weights" in h for h in r.heads) for r in layers]}
+        meta = {"heads": [len(r.heads) for r in layers], "dense": dense,
+                "weighted": [any("log_weights" in h for h in r.heads) for r in layers]}
         return tensors, meta | ({"encoded": encoded} if any(encoded) else {})
 
     def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
         fields = ("keys", "values", "positions")
         out = []
         encoded = meta.get("encoded") or [None] * len(meta["heads"])
-        for l, (n_heads, weighted, held) in enumerate(zip(meta["heads"], meta["weighted"], encoded)):
+        dense = meta.get("dense") or [False] * len(meta["heads"])
+        if not len(meta["heads"]) == len(meta["weighted"]) == len(encoded) == len(dense):
+            raise KVMemError("chunk metadata of different lengths per layer")
+        for l, (n_heads, weighted, held, stacked) in enumerate(zip(meta["heads"], meta["weighted"], encoded, dense)):
+            if stacked:  # shapes checked by the store (`_check_rows`) before any head is read
+                k, v, p = (_tensor(tensors, f"{l}.{f}") for f in fields)
+                if k.dim() != 3 or k.shape[0] != n_heads or v.shape != k.shape or p.shape != k.shape[:2]:
+                    raise KVMemError(f"layer {l}: keys {tuple(k.shape)}, values {tuple(v.shape)}, positions "
+                                     f"{tuple(p.shape)} are not {n_heads} heads of as many rows")
+                out.append(DenseExport(k, v, p))
+                continue
             if held is not None:  # checked against the layer's scheme when imported (QuantizedRows.import_encoded)
                 if len(held["fields"]) != n_heads:
                     raise KVMemError(f"layer {l}: {len(held['fields'])} heads of encoded fields, {n_heads} heads")
@@ -63,10 +91,19 @@ class RawCodec(Codec):
         return out
 
 
+def _dense(rows: ExportedRows) -> bool:
+    """Raw rows whose heads all hold as many rows and nothing but keys, values and positions (an uncompressed chunk)."""
+    if isinstance(rows, DenseExport):
+        return True
+    return bool(rows.heads) and all(set(h) == {"keys", "values", "positions"} for h in rows.heads) and \
+        len({h["positions"].shape[0] for h in rows.heads}) == 1
+
+
 class QuantCodec(Codec):
     """Rows stored as a `kvmem.quant` scheme holds them (packed codes, scales, outliers), decoded on read."""
 
     name = "quant"
+    version = 2  # 2: a layer of a scheme that stacks its codes (KIVI) stored as one set of tensors, with a layout tag
 
     def __init__(self, scheme: str):
         from kvmem.quant import get_scheme
@@ -99,11 +136,17 @@ class QuantCodec(Codec):
                 raise KVMemError("the quant codec cannot store rows that stand for several tokens (log-weights); use raw")
             held = QuantizedRows.of(self.scheme.for_layer(l), [h["keys"] for h in rows.heads],
                                     [h["values"] for h in rows.heads], [h["positions"] for h in rows.heads])
+            layer = held.export_layer()  # one set of tensors for the layer where the scheme stacks its codes (KIVI)
+            if layer is not None:
+                for field, t in layer[0].items():
+                    tensors[f"{l}.{field}"] = t.contiguous()
+                metas.append({"layout": "layer", "fields": sorted(layer[0]), "meta": layer[1]})
+                continue
             exported = held.export_rows()
             for h, head in enumerate(exported.heads):
                 for field, t in head.items():
                     tensors[f"{l}.{h}.{field}"] = t.contiguous()
-            metas.append({"fields": [sorted(head) for head in exported.heads], "meta": exported.meta})
+            metas.append({"layout": "heads", "fields": [sorted(head) for head in exported.heads], "meta": exported.meta})
         return tensors, {"layers": metas}
 
     def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
@@ -111,9 +154,18 @@ class QuantCodec(Codec):
 
         out = []
         for l, layer in enumerate(meta["layers"]):
-            heads = [{f: _tensor(tensors, f"{l}.{h}.{f}") for f in fields} for h, fields in enumerate(layer["fields"])]
-            held = QuantizedRows.import_encoded(self.scheme.for_layer(l), ExportedRows(heads, self.scheme.spec, layer["meta"]))
-            out.append(ExportedRows([{"keys": k, "values": v, "positions": p} for k, v, p in held.heads()]))
+            scheme = self.scheme.for_layer(l)
+            if layer.get("layout") == "layer":
+                held = QuantizedRows.import_layer(scheme, {f: _tensor(tensors, f"{l}.{f}") for f in layer["fields"]},
+                                                  layer["meta"])
+            elif layer.get("layout") == "heads":
+                heads = [{f: _tensor(tensors, f"{l}.{h}.{f}") for f in fields} for h, fields in enumerate(layer["fields"])]
+                held = QuantizedRows.import_encoded(scheme, ExportedRows(heads, self.scheme.spec, layer["meta"]))
+            else:
+                raise KVMemError(f"layer {l}: an unknown layout {layer.get('layout')!r}")
+            stacked = held.stacked()  # every head decoded in one pass where they hold as many rows (a chunk)
+            out.append(DenseExport(*stacked) if stacked is not None else
+                       ExportedRows([{"keys": k, "values": v, "positions": p} for k, v, p in held.heads()]))
         return out
 
 

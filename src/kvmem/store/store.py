@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 
 from kvmem.errors import KVMemError
-from kvmem.rows import ExportedRows
+from kvmem.rows import DenseExport, ExportedRows
 from kvmem.store import chunk
 from kvmem.store.codec import Codec
 from kvmem.store.codecs import get_codec
@@ -293,41 +293,61 @@ class Loaded:
 
 
 def _check_rows(lm, layers: list[ExportedRows], start: int, end: int, exact: bool) -> None:
-    """Decoded rows fit this model and this token range (`exact`: every position an uncompressed layer holds)."""
+    """Decoded rows fit this model and this token range (`exact`: every position an uncompressed layer holds). A
+    `DenseExport` layer is checked as its three tensors, not head by head (at 8k a load checks ~3k heads)."""
     text = lm.config.get_text_config()
     windows = layer_windows(lm.config)
     kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     if len(layers) != len(windows):
         raise chunk.CorruptChunk(f"{len(layers)} layers, the model has {len(windows)}")
+    floats: list[list[torch.Tensor]] = []  # per layer, what must be finite: checked for the whole chunk at once
     for l, (rows, window) in enumerate(zip(layers, windows)):
-        if len(rows.heads) != kv_heads:
-            raise chunk.CorruptChunk(f"layer {l}: {len(rows.heads)} KV heads, the model has {kv_heads}")
         want = expected_positions(window, start, end) if exact else None
         want_t = torch.arange(want.start, want.stop, dtype=torch.int32) if want is not None else None
+        if isinstance(rows, DenseExport):
+            k, v, p = rows.keys, rows.values, rows.positions
+            if k.dim() != 3 or k.shape[0] != kv_heads or k.shape[2] != head_dim or v.shape != k.shape or \
+                    p.shape != k.shape[:2]:
+                raise chunk.CorruptChunk(f"layer {l}: keys {tuple(k.shape)}, values {tuple(v.shape)}, positions "
+                                         f"{tuple(p.shape)} ({kv_heads} KV heads of head_dim {head_dim})")
+            _check_positions(l, "every head", p, start, end, want, want_t)
+            floats.append([k, v])
+            continue
+        if len(rows.heads) != kv_heads:
+            raise chunk.CorruptChunk(f"layer {l}: {len(rows.heads)} KV heads, the model has {kv_heads}")
         if rows.codec != "raw":  # a quantized layer's rows as held: its positions and residual here, its codes on import
-            _check_encoded(l, rows, head_dim, start, end)
+            floats.append(_check_encoded(l, rows, head_dim, start, end))
             continue
         for h, head in enumerate(rows.heads):
             k, v, p = head["keys"], head["values"], head["positions"]
             if k.dim() != 2 or k.shape[1] != head_dim or v.shape[0] != k.shape[0] or p.shape != (k.shape[0],):
                 raise chunk.CorruptChunk(f"layer {l} head {h}: keys {tuple(k.shape)}, values {tuple(v.shape)}, "
                                          f"positions {tuple(p.shape)} (head_dim {head_dim})")
-            if want_t is not None:  # every position, in order: one comparison (a 4k span has ~3k heads to check)
-                if p.dtype != torch.int32 or not torch.equal(p, want_t):
-                    raise chunk.CorruptChunk(f"layer {l} head {h}: {p.numel()} rows are not the positions "
-                                             f"{want.start}..{want.stop - 1} an uncompressed chunk holds")
-            elif p.dtype != torch.int32 or (p.numel() and (int(p.min()) < start or int(p.max()) >= end)) or (
-                    p.numel() > 1 and not bool((p[1:] > p[:-1]).all())):
-                raise chunk.CorruptChunk(f"layer {l} head {h}: positions outside [{start}, {end}) or not increasing")
-        if not _finite([t for head in rows.heads for t in (head["keys"], head["values"])]):
-            raise chunk.CorruptChunk(f"layer {l}: non-finite keys or values")
+            _check_positions(l, f"head {h}", p, start, end, want, want_t)
+        floats.append([t for head in rows.heads for t in (head["keys"], head["values"])])
+    if not _finite([t for ts in floats for t in ts]):
+        bad = next(l for l, ts in enumerate(floats) if not _finite(ts))
+        raise chunk.CorruptChunk(f"layer {bad}: non-finite keys, values, residual rows, scales or zero-points")
 
 
-def _check_encoded(l: int, rows: ExportedRows, head_dim: int, start: int, end: int) -> None:
+def _check_positions(l: int, what: str, p: torch.Tensor, start: int, end: int, want: range | None,
+                     want_t: torch.Tensor | None) -> None:
+    """Positions (..., T) of one head or (H, T) of a layer's heads: exactly `want` in order (an uncompressed chunk),
+    else inside [start, end) and increasing along the rows."""
+    if want_t is not None:  # every position, in order: one comparison
+        if p.dtype != torch.int32 or p.shape[-1] != want_t.numel() or not torch.equal(p, want_t.expand_as(p)):
+            raise chunk.CorruptChunk(f"layer {l} {what}: rows are not the positions {want.start}..{want.stop - 1} an "
+                                     f"uncompressed chunk holds")
+    elif p.dtype != torch.int32 or (p.numel() and (int(p.min()) < start or int(p.max()) >= end)) or (
+            p.shape[-1] > 1 and not bool((p[..., 1:] > p[..., :-1]).all())):
+        raise chunk.CorruptChunk(f"layer {l} {what}: positions outside [{start}, {end}) or not increasing")
+
+
+def _check_encoded(l: int, rows: ExportedRows, head_dim: int, start: int, end: int) -> list[torch.Tensor]:
     """Rows a quantized layer held, as stored (`QuantizedRows.export_rows`): positions in range and increasing, residual
-    rows of the model's head_dim, and every float tensor (residual, scales, zero-points) finite. The codes' shapes and
-    counts are checked by `QuantizedRows.import_encoded` when the rows are imported."""
+    rows of the model's head_dim; returns every float tensor (residual, scales, zero-points) for the caller's check that
+    they are finite. The codes' shapes and counts are checked by `QuantizedRows.import_encoded` when the rows are imported."""
     for h, head in enumerate(rows.heads):
         p, rk, rv = head.get("positions"), head.get("residual_keys"), head.get("residual_values")
         if p is None or rk is None or rv is None:
@@ -338,12 +358,13 @@ def _check_encoded(l: int, rows: ExportedRows, head_dim: int, start: int, end: i
         if rk.dim() != 2 or rk.shape[1] != head_dim or rv.dim() != 2 or rv.shape[0] != rk.shape[0]:
             raise chunk.CorruptChunk(f"layer {l} head {h}: residual keys {tuple(rk.shape)}, values {tuple(rv.shape)} "
                                      f"(head_dim {head_dim})")
-    if not _finite([t for head in rows.heads for t in head.values() if t.is_floating_point()]):
-        raise chunk.CorruptChunk(f"layer {l}: non-finite residual rows, scales or zero-points")
+    return [t for head in rows.heads for t in head.values() if t.is_floating_point()]
 
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
     """No NaN or infinity in `tensors`: a sum is finite only if every term is (one pass at memory speed, where
-    `isfinite` writes a mask). A sum that overflows on finite terms reads as corrupt: the chunk is recomputed, never
-    trusted wrongly; a layer's KV sums to far below float32's range."""
-    return all(bool(torch.isfinite(t.sum(dtype=torch.float32))) for t in tensors if t.numel())
+    `isfinite` writes a mask), and the sums are tested together (one test a chunk, not one a tensor). A sum that
+    overflows on finite terms reads as corrupt: the chunk is recomputed, never trusted wrongly; a layer's KV sums to
+    far below float32's range."""
+    sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel()]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
