@@ -26,7 +26,7 @@ query, a random subset of `max_queries` (2048) of them when there are more (the 
 the model, so it is compressed after prefill (`compress(..., context=ModelContext(lm, ids))`), not layer by layer.
 `queries=window` fits on the group's last `window` observed queries only (no model, so `Compressor` and
 `model.generate` can run it), and degrades where the compacted head keeps more rows than it has reference
-queries: NNLS then leaves at most as many rows with a weight above zero (measured on SmolLM2 2k at keep 0.5: 19 %
+queries: NNLS then leaves at most as many rows with a weight above zero (measured on SmolLM2 2k fact-single at keep 0.5: 21 %
 of the kept rows; the others are silenced), and the least squares for the values has fewer equations than unknowns.
 That is why `window` is not the default (with it, fact-single at 2k scored 0.03 at keep 0.5, below random).
 
