@@ -101,7 +101,8 @@ def test_retrieved_rows_are_the_offloaded_rows_decoded(prefilled, policy):
 def test_resident_bytes_stay_within_the_keep_ratio(prefilled, policy):
     """Measured: per offloaded layer, the context rows resident (sinks, recent, the retrieved rows at their peak) and the
     resident index hold at most the keep ratio of the layer's context bytes, through a question and decoding; the tier
-    holds the rest packed (int8: under a third of the full bytes), and no full-precision copy is kept."""
+    holds the rest packed (int8: under a third of the full bytes; sparq's tier holds the keys twice, row- and
+    channel-major as its paper does: under half), and no full-precision copy is kept."""
     lm, ids, _, base = prefilled
     cache, logits = offloaded(prefilled, policy)
     for _ in range(4):
@@ -113,7 +114,7 @@ def test_resident_bytes_stay_within_the_keep_ratio(prefilled, policy):
         index_bytes = storage_bytes(rows.index.get("resident", []))
         assert rows.peak_retrieved_bytes > 0
         assert fixed_bytes + index_bytes + rows.peak_retrieved_bytes <= RATIO * full, (policy, i)
-        assert storage_bytes(rows.offloaded_tensors()) < full / 3
+        assert storage_bytes(rows.offloaded_tensors()) < full / (2 if policy == "sparq" else 3)
         assert storage_bytes(rows.kv_tensors()) + storage_bytes(rows.offloaded_tensors()) < full
     assert cache.offloaded_bytes() > 0 and cache.retrieved_peak_bytes() > 0
 
@@ -155,6 +156,62 @@ def test_actqkv_cuts_off_by_information_density(prefilled):
         assert sum(i.numel() for i in b.ridx) < sum(i.numel() for i in a.ridx)
 
 
+def test_sparq_reading_every_channel_retrieves_what_exact_topk_does(prefilled):
+    """With every channel read (channels=1) its approximate scores are the exact ones, so on the same queries it
+    fetches exact-topk's rows; with a quarter of them (the default) it fetches others."""
+    from kvmem.compress.offload import ExactTopK, SparQ
+
+    cache, _ = offloaded(prefilled, "sparq:tier=raw")
+    rows = next(iter(offloaded_layers(cache).values()))
+    torch.manual_seed(0)
+    d = rows.rk[0].shape[-1]
+    queries = [torch.randn(2, 3, d) * 4 for _ in rows.rk]
+    exact = ExactTopK(tier="raw").retrieve(rows, queries, d ** -0.5)
+    every = SparQ(tier="raw", channels=1.0).retrieve(rows, queries, d ** -0.5)
+    quarter = SparQ(tier="raw").retrieve(rows, queries, d ** -0.5)
+    assert [i.tolist() for i in every] == [i.tolist() for i in exact]
+    assert [i.tolist() for i in quarter] != [i.tolist() for i in exact]
+
+
+def test_sparq_reads_its_channels_from_a_channel_major_copy_of_the_keys(prefilled):
+    """The second copy of the keys in the tier (channel-major, int8 in groups of rows) decodes to the context's keys
+    within one 8-bit step of each group, for any channels asked; raw, exactly."""
+    _, _, _, base = prefilled
+    for tier in ("int8", "raw"):
+        cache, _ = offloaded(prefilled, f"sparq:tier={tier}")
+        for i, rows in offloaded_layers(cache).items():
+            k, _, p = base.layers[i].rows.stacked()
+            for h in range(k.shape[0]):
+                channels = torch.tensor([0, 5, k.shape[-1] - 1])
+                got = rows.method.channels_of(rows.index["by_channel"], h, channels, rows.tier.rows)
+                want = k[h][torch.isin(p[h], rows.tier.positions[h])][:, channels].T
+                if tier == "raw":
+                    assert torch.equal(got, want)
+                else:
+                    assert (got - want).abs().max() <= (want.amax() - want.amin()) / 255 + 1e-6
+
+
+def test_sparq_mean_value_step(prefilled):
+    """Step 3: y = a * y_resident + (1 - a) * mean value. Fetching every tier row leaves nothing out (a = 1, the output
+    unchanged); tier rows the queries favour but that were not fetched pull the output to the mean value."""
+    cache, _ = offloaded(prefilled, "sparq")
+    rows = next(iter(offloaded_layers(cache).values()))
+    method, t = rows.method, rows.tier.rows
+    group = 2
+    q = torch.randn(1, group, 1, rows.rk[0].shape[-1])
+    _, v, pos = rows.fixed.heads()[0]
+    new_pos = pos.max()[None] + 1
+    out = torch.randn(1, 1, group, q.shape[-1])
+    share = torch.ones(group)
+    masked, read = q[0].reshape(group, -1), torch.arange(q.shape[-1])
+    rows.state["approx"] = [(torch.zeros(group, t), torch.arange(t), masked, read, share)]
+    assert torch.allclose(method.interpolate(rows, 0, q, out, new_pos, 1e-9), out, atol=1e-5)
+    rows.state["approx"] = [(torch.full((group, t), 1e3), torch.arange(0), masked, read, share)]  # all mass unfetched
+    mean = (rows.index["value_sum"][0].float() + v.float().sum(0)) / (t + v.shape[0])
+    got = method.interpolate(rows, 0, q, out, new_pos, 1e-9)
+    assert torch.allclose(got, mean.expand_as(got), atol=1e-4)
+
+
 def test_an_offloaded_cache_answers_through_the_one_call_path(smollm2):
     """`answer` (the CLI's and the suite's path) offloads, retrieves while answering and reports the resident bytes at
     their peak: within the keep ratio of the context's bytes plus the question's and answer's rows. (Whether the answer
@@ -183,7 +240,8 @@ def test_a_short_prompt_is_answered_with_nothing_offloaded(prefilled, policy):
 @pytest.mark.parametrize("spec, match", [("sentencekv:tier=int3", "tier"), ("ltri:span=0", "span"),
                                          ("louiskv:threshold=2", "threshold"), ("actqkv:mass=0", "mass"),
                                          ("sentencekv:sink=-1", "sink"), ("louiskv:cluster=0", "cluster"),
-                                         ("sentencekv:budget=adaptive", "budget"), ("ltri:window=3", "window")])
+                                         ("sentencekv:budget=adaptive", "budget"), ("ltri:window=3", "window"),
+                                         ("sparq:channels=0", "channels"), ("sparq:channels=1.5", "channels")])
 def test_bad_options_are_refused_by_name(spec, match):
     with pytest.raises(KVMemError, match=match):
         get_method(spec)

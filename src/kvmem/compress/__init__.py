@@ -4,7 +4,7 @@
 `snapkv:window=64`, `kvzip:budget=adaptive` (the same spelling the CLI, results and plots use). Every method
 also takes `sliding=keep` (sliding-window layers are left whole, their window bounds them already; the keep
 ratio then applies to the global layers, as kvpress and KVzip's reference do on Gemma-3) or `sliding=compress`.
-The offload-and-retrieve policies (`offload/`: sentencekv, ltri, louiskv, actqkv) are named the same way; they keep
+The offload-and-retrieve policies (`offload/`: sentencekv, ltri, louiskv, actqkv, sparq) are named the same way; they keep
 every row in a slower tier and their keep ratio is the resident fraction.
 """
 

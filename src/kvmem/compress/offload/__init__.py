@@ -8,7 +8,8 @@ from kvmem.compress.offload.louiskv import LouisKV
 from kvmem.compress.offload.ltri import Ltri
 from kvmem.compress.offload.rows import TIERS, OffloadedRows, Tier
 from kvmem.compress.offload.sentencekv import SentenceKV
+from kvmem.compress.offload.sparq import SparQ
 
-POLICIES = (SentenceKV, Ltri, LouisKV, ActQKV, ExactTopK)  # the last: a yardstick, not a paper's policy
+POLICIES = (SentenceKV, Ltri, LouisKV, ActQKV, SparQ, ExactTopK)  # the last: a yardstick, not a paper's policy
 
-__all__ = ["POLICIES", "TIERS", "ActQKV", "ExactTopK", "LouisKV", "Ltri", "OffloadMethod", "OffloadedRows", "SentenceKV", "Tier"]
+__all__ = ["POLICIES", "TIERS", "ActQKV", "ExactTopK", "LouisKV", "Ltri", "OffloadMethod", "OffloadedRows", "SentenceKV", "SparQ", "Tier"]

@@ -4,7 +4,8 @@ Eviction loses what it drops. These methods keep the whole context in a slower t
 hold a small working set resident (`rows.OffloadedRows`); every forward (or, for LouisKV, every forward whose query
 has moved) the policy retrieves, with the queries in hand, the rows it needs into the resident buffer. A policy says
 two things: `build_index` (at offload time: its retrieval units and what it keeps to score them) and `retrieve` (per
-forward: which tier rows each KV head should hold, or None to keep the current ones).
+forward: which tier rows each KV head should hold, or None to keep the current ones); it may also correct the
+attention output for the rows left in the tier (`interpolate`, SparQ's mean value).
 
 Keep ratio = the resident fraction: per layer, the resident bytes (sink + recent rows, the resident index, the
 retrieved rows' buffer) are at most `keep_ratio` of the context rows' bytes in the model's dtype, the same bytes an
@@ -53,6 +54,12 @@ class OffloadMethod(Method):
         """Per KV head the tier rows to hold for this forward (at most `rows.capacity`), from the queries of its
         query group, (group, Q, D) each; None keeps the rows held."""
         raise NotImplementedError
+
+    def interpolate(self, rows: OffloadedRows, head: int, query: Tensor, out: Tensor, new_pos: Tensor,
+                    scaling: float) -> Tensor:
+        """KV head `head`'s attention output (1, Q, group, D) over its resident rows, corrected for the rows left in
+        the tier (SparQ's mean-value step); by default as it is."""
+        return out
 
     # -- the mechanism --------------------------------------------------------------------------------------
     def offload(self, cache, ratios: list[float], context: ModelContext | None,

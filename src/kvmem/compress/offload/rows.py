@@ -70,15 +70,16 @@ class Tier:
     def _decode(self, stored, head: int, idx: Tensor) -> Tensor:
         if self.kind == "raw":
             return stored[head].index_select(0, idx)
-        return pack.dequantize(_rows_of(stored, head, idx))
+        return pack.dequantize(head_rows(stored, head, idx))
 
     def tensors(self) -> list[Tensor]:
         held = [t for t in (self.k, self.v) if t is not None]
         return held if self.kind == "raw" else [x for t in held for x in t.tensors()]
 
 
-def _rows_of(q: pack.Quantized, head: int, idx: Tensor) -> pack.Quantized:
-    """Rows `idx` of head `head` of packed (H, T, D) rows (groups along channels): their codes and scales alone."""
+def head_rows(q: pack.Quantized, head: int, idx: Tensor) -> pack.Quantized:
+    """Rows `idx` of head `head` of packed (H, N, M) codes grouped along the last dim (a tier's rows; sparq's channels):
+    their codes and scales alone."""
     return pack.Quantized(q.packed[head].index_select(0, idx), q.scale[head].index_select(0, idx),
                           q.zero[head].index_select(0, idx), q.bits, q.group, 1, (int(idx.numel()), q.shape[-1]), q.dtype)
 
@@ -182,8 +183,9 @@ class OffloadedRows(Rows):
         for h, (k, v, p) in enumerate(self.fixed.heads()):
             keys, values = torch.cat([self.rk[h], k]), torch.cat([self.rv[h], v])
             mask = rows_mask(torch.cat([self.rp[h], p])[None], new_pos, None)
-            outs.append(grouped_attention(query[:, h * group:(h + 1) * group], keys[None, None], values[None, None],
-                                          None if mask is None else mask[None], scaling))
+            out = grouped_attention(query[:, h * group:(h + 1) * group], keys[None, None], values[None, None],
+                                    None if mask is None else mask[None], scaling)
+            outs.append(self.method.interpolate(self, h, query[:, h * group:(h + 1) * group], out, new_pos, scaling))
         return torch.cat(outs, dim=2)
 
 
