@@ -37,8 +37,10 @@ test: setup redis
 # already done, nothing else is recomputed).
 BASE_METHODS := full,random,streaming-llm,h2o,snapkv,tova,knorm
 AGNOSTIC_METHODS := kvzip,kvzip-head,expected-attention,expected-attention:budget=adaptive,keydiff,q-filters,curdkv
-# Issue 35's catalog (rcstat is left out until it is checked against its paper)
-CATALOG_METHODS := vatp,vatp:source=window,dapq,snapkv:budget=prefixkv,fastgen,snapkv:budget=cokv,kvcrush,finch,keyformer,attention-matching,subgen
+# Issue 35's catalog (rcstat is left out until it is checked against its paper). attention-matching runs apart, on 10
+# samples of one task and one ratio: its faithful fit takes ~215 s a compression at 2k and scored 0 of 10 there
+# (README, "Of note"); its `queries=window` form ran the suite and is kept in the records under that name.
+CATALOG_METHODS := vatp,vatp:source=window,dapq,snapkv:budget=prefixkv,fastgen,snapkv:budget=cokv,kvcrush,finch,keyformer,subgen
 METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo,streaming-llm:budget=razor,$(CATALOG_METHODS)
 GEMMA_METHODS := $(METHODS),kvzip:sliding=keep,keydiff:sliding=keep,keydiff:kernel_size=33:sliding=keep
 SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --threads 1 --out results/longctx
@@ -53,6 +55,7 @@ bench: setup
 
 bench-smollm2: setup
 	$(KVMEM) eval --models smollm2-135m --lengths 2048,4096 --tasks $(TASKS),niah-multikey,niah-single-word,passkey,niah-multivalue,niah-single-noise --methods $(METHODS) $(SUITE)
+	$(KVMEM) eval --models smollm2-135m --lengths 2048 --tasks fact-single --methods full,attention-matching --samples 10 --ratios 1.0,0.5 --threads 1 --out results/longctx
 
 bench-gemma: setup
 	$(KVMEM) eval --models gemma3-270m --lengths 4096,8192 --tasks $(TASKS) --methods $(GEMMA_METHODS) $(SUITE)

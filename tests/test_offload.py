@@ -224,6 +224,24 @@ def test_an_offloaded_cache_answers_through_the_one_call_path(smollm2):
         assert a.tokens and a.kv_bytes <= 0.27 * a.kv_bytes_full, (policy, a.kv_bytes / a.kv_bytes_full)
 
 
+def test_an_offloaded_cache_is_not_stored_and_a_store_reuses_only_the_raw_prefix(smollm2):
+    """Through a chunk store (the server's default path) the raw prefix is reused, and the offloaded cache is built
+    from it each time, never stored as a compressed span: the resident rows are not the context, so a stored span
+    would reload as a cache that lost its tier. Twice the same answer, the second from stored raw chunks."""
+    from kvmem.generate import answer
+    from kvmem.prompts import build_prompt
+    from kvmem.store import ChunkStore
+
+    store = ChunkStore("memory", chunk_size=32)
+    context, question = " ".join(FACTS * 2), "Who is the lighthouse keeper?"
+    first = answer(smollm2, context, question, "sparq", 0.25, max_new_tokens=6, store=store)
+    second = answer(smollm2, context, question, "sparq", 0.25, max_new_tokens=6, store=store)
+    assert second.reuse.reused_tokens > 0 and second.tokens == first.tokens
+    assert second.kv_bytes == first.kv_bytes
+    prompt = build_prompt(smollm2.tokenizer, context, question)
+    assert store.span_key(smollm2, prompt.context, "sparq@0.25") not in store.tiers[0]._items
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_short_prompt_is_answered_with_nothing_offloaded(prefilled, policy):
     """A context that fits in the sink and recent rows (resident anyway) leaves every layer as it is, and the answer

@@ -134,6 +134,19 @@ def test_a_decode_phase_method_per_request(client):
     assert a.choices[0].message.content and a.model_extra["kvmem"]["method"] == "moment-kv:decode_budget=4"
 
 
+def test_an_offload_policy_per_request(client):
+    """sparq keeps the context in its tier and retrieves while the server decodes: the resident bytes reported (its
+    working set at its peak, the retrieved rows included) are about the keep ratio of the full cache's, and the answer
+    comes."""
+    messages = [{"role": "system", "content": system_prompt()},
+                {"role": "user", "content": "In one sentence, what is the first abstract about?"}]
+    body = {"kvmem": {"method": "sparq", "keep_ratio": 0.25, "use_store": False}}
+    a = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6, extra_body=body)
+    info = a.model_extra["kvmem"]
+    assert a.choices[0].message.content and info["method"] == "sparq"
+    assert 0.15 * info["kv_bytes_full"] < info["kv_bytes"] < 0.3 * info["kv_bytes_full"]
+
+
 def test_per_request_compression_and_its_reuse(client, smollm2):
     messages = [{"role": "system", "content": system_prompt()},
                 {"role": "user", "content": "In one sentence, what is the first abstract about?"}]

@@ -172,10 +172,11 @@ def answer(
     prompt = build_prompt(lm.tokenizer, context, question, answer_prefix, raw=raw_prompt)
     p = prepare(lm, prompt, method, keep_ratio, query_aware, quant, store, reuse=reuse, index=index,
                 recompute_ratio=recompute_ratio)
+    peak = p.cache.retrieved_peak_bytes()  # counted in p.kv_bytes already
     tokens = decode(lm, p.cache, p.logits, max_new_tokens)
     # an offloaded cache's working set fills as it retrieves: its bytes at their peak count as held
-    return Answer(lm.tokenizer.decode(tokens), tokens, p.kv_bytes + p.cache.retrieved_peak_bytes(), p.kv_bytes_full,
-                  sum(map(sum, p.cache.tokens_held())), p.reuse)
+    return Answer(lm.tokenizer.decode(tokens), tokens, p.kv_bytes + p.cache.retrieved_peak_bytes() - peak,
+                  p.kv_bytes_full, sum(map(sum, p.cache.tokens_held())), p.reuse)
 
 
 @dataclass
@@ -264,7 +265,8 @@ def prepare(lm: LoadedModel, prompt: Prompt, method: str = "full", keep_ratio: f
     kept = cache.kv_bytes()
     cache.drop_observations()
     logits = feed(lm, cache, q[-1:] if query_aware else q)
-    return Prepared(cache, logits, full_bytes, kept)
+    # an offloaded cache's working set fills as it retrieves: its bytes at their peak so far count as held
+    return Prepared(cache, logits, full_bytes, kept + cache.retrieved_peak_bytes())
 
 
 def _prepare_semantic(lm: LoadedModel, prompt: Prompt, reuse: str, index, store, recompute_ratio: float,
@@ -287,7 +289,8 @@ def _prepare_semantic(lm: LoadedModel, prompt: Prompt, reuse: str, index, store,
 def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: float, query_aware: bool,
                         quant: str | None, prompt, store, has_document: bool, interrupt=None):
     """`answer`'s prefill and compression through a chunk store. Returns the logits of the last prompt token,
-    the bytes held before and after compression (before the question is fed) and the reuse report. Uncompressed prompts reuse any stored prefix;
+    the bytes held before and after compression (before the question is fed; an offloaded cache's working set at
+    its peak once it is) and the reuse report. Uncompressed prompts reuse any stored prefix;
     a context compressed before its question reuses its stored compressed form (valid for exactly that
     context), else its stored raw prefix (leaving the last tokens a scorer observes to be computed)."""
     import time
@@ -308,10 +311,14 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
                  context=ModelContext(lm, ctx, prompt.head, question=q[:-1]))
         cache.drop_observations()
         kept = cache.kv_bytes()
-        return feed(lm, cache, q[-1:]), full_bytes, kept, report
+        logits = feed(lm, cache, q[-1:])
+        return logits, full_bytes, kept + cache.retrieved_peak_bytes(), report
     compression = f"{m.spec}@{keep_ratio:g}" + (f"+{quant}" if quant else "")
     report = ReuseReport()
-    if load_span(lm, cache, store, ctx, compression, report):
+    # an offloaded cache is never a stored span: what it holds resident is not the context (the rest is in its tier),
+    # so it is rebuilt from the raw prefix each time, and a span under its name is never read
+    offloads = getattr(m, "offloads", False)
+    if not offloads and load_span(lm, cache, store, ctx, compression, report):
         full_bytes = report.full_kv_bytes
     else:
         t = time.perf_counter()
@@ -319,8 +326,8 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
                             interrupt=interrupt)
         full_bytes = cache.kv_bytes()
         compress(cache, m, keep_ratio, context=ModelContext(lm, ctx, prompt.head))
-        # what computing this compressed context costs from scratch: the reused raw prefix's cost included
-        save_span(lm, cache, store, ctx, compression, time.perf_counter() - t + report.saved_compute_s, full_bytes)
+        if not offloads:  # what computing this compressed context costs from scratch: the raw prefix's cost included
+            save_span(lm, cache, store, ctx, compression, time.perf_counter() - t + report.saved_compute_s, full_bytes)
     cache.drop_observations()
     kept = cache.kv_bytes()
     t = time.perf_counter()
@@ -328,4 +335,4 @@ def _prefill_with_store(lm: LoadedModel, cache: KVCache, m: Method, keep_ratio: 
     report.prefill_s += time.perf_counter() - t
     report.computed_tokens += len(q)
     report.prompt_tokens = len(ctx) + len(q)
-    return logits, full_bytes or kept, kept, report
+    return logits, full_bytes or kept, kept + cache.retrieved_peak_bytes(), report
