@@ -29,6 +29,7 @@ def test_the_report_sets_each_policy_against_the_best_evictor_and_the_yardstick(
     assert "| exact-topk | yardstick | 0.833 [" in text and "| 1.00 | 0.100 | 0.280 |" in text  # as good as full
     assert "Paired differences from `kvzip`" in text  # the best evictor, not snapkv
     assert "- sentencekv - exact-topk: -0.500" in text and "- full - exact-topk: +0.000" in text
+    assert "keeps >= 95% of its score:** not met by the point estimate: `sentencekv` 40% at 0.100 of the bytes (" in text
     assert [name for name, _, _ in points[0.1]][0] == "full" and len(points[0.1]) == 5
     plot(points, tmp_path / "offload.png")
     assert (tmp_path / "offload.png").read_bytes()[:4] == b"\x89PNG"
