@@ -284,6 +284,10 @@ def test_misuse_is_refused_by_name(prefilled):
     layer = next(layer for layer in cache.layers if isinstance(layer.rows, OffloadedRows))
     with pytest.raises(KVMemError, match="not exported"):
         layer.export_rows()
+    from kvmem.reuse.prefix import chunk_rows
+
+    with pytest.raises(KVMemError, match="not exported"):  # what the store saves chunks and spans with
+        chunk_rows(cache, 0, len(ids))
     from kvmem.generate import answer_batch
 
     with pytest.raises(KVMemError, match="answered alone"):

@@ -215,6 +215,25 @@ def test_preemption_swaps_the_newest_row_to_disk_and_resumes_it(smollm2):
         assert metric(server, "kvmem_swapped_rows") == 0 and metric(server, "kvmem_kv_bytes_held") == 0
 
 
+def test_an_offloaded_row_is_never_swapped_out(smollm2):
+    """An offloaded cache (sparq) is not exported, so it cannot go to disk: when the budget is exceeded with it as the
+    newest row, it stays (no other row can go: the oldest always runs) and both answer as they do alone, where
+    swapping it used to fail every running request."""
+    from kvmem.generate import prepare
+
+    prompts = [[{"role": "system", "content": system_prompt(1)}, *count(i)] for i in (1, 2)]
+    options = [{"ignore_eos": True}, {"ignore_eos": True, "method": "sparq", "keep_ratio": 0.25}]
+    full, second = (prepare(smollm2, chat_prompt(smollm2.tokenizer, m)).cache.kv_bytes() for m in prompts)
+    # both admitted (the full row with its first 64 spare rows, the second's estimate: about its full bytes x its keep
+    # ratio); the full row's next 64 rows (its 65th token) exceed it
+    budget = full + int(0.3 * second) + 80 * kv_bytes_per_token(smollm2)
+    with LocalServer(["--threads", "1", "--kv-budget", f"{budget}B"]) as server:
+        alone = [ask(server, m, 90, o).choices[0].message.content for m, o in zip(prompts, options)]
+        results, most = together(server, [lambda m=m, o=o: ask(server, m, 90, o) for m, o in zip(prompts, options)])
+        assert [r.choices[0].message.content for r in results] == alone and most == 2
+        assert metric(server, "kvmem_preemptions") == 0
+
+
 def test_gemma_rows_answer_as_alone_in_the_batch():
     """Gemma-3 (sliding and global layers): concurrent requests with different methods answer as they do alone."""
     system = {"role": "system", "content": system_prompt(2)}

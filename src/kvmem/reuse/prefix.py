@@ -71,6 +71,9 @@ class ReuseReport:
 
 def chunk_rows(cache: KVCache, start: int, end: int) -> list[ExportedRows]:
     """Every layer's rows at positions [start, end), copied (full precision, as attention reads them)."""
+    if any(getattr(layer.rows, "retrieves", False) for layer in cache.layers):  # its resident rows are not the context
+        raise KVMemError("an offloaded cache is not exported: its rows are split between a tier and a working set "
+                         "(store the full cache before offloading it)")
     out = []
     for layer in cache.layers:
         heads = []

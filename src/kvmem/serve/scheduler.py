@@ -342,7 +342,13 @@ class Scheduler:
             else:
                 row.kv_bytes = row.cache.kv_bytes()
         while len(self.rows) > 1 and self.kv_bytes_held() > self.kv_budget:
-            self._swap_out(self.rows[-1])
+            # the newest row that can be swapped: an offloaded cache (compress/offload/) splits its rows between a tier
+            # and a bounded working set and is not exported; it stays, over the budget if nothing else can go
+            movable = [r for r in self.rows[1:] if not any(getattr(layer.rows, "retrieves", False)
+                                                          for layer in r.cache.layers)]
+            if not movable:
+                break
+            self._swap_out(movable[-1])
 
     # -- rows leaving, preempted, resumed -------------------------------------------------------------------------
     def _leave(self, row: Row) -> None:

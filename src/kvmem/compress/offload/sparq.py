@@ -12,7 +12,8 @@ seeds' policies rank rows by summaries that miss what attention needs: results/o
 Here `k` is the resident buffer (`rows.capacity`), rows resident anyway (sinks, recent rows, question, answer) take
 part in α and v̄ as the fetched ones do, and one KV head serves its query group, so it fetches the rows with the
 largest ŝ any query of the group gives (the union, as `exact-topk` does). `r` is `channels` x head_dim (the paper's
-r = d/4 .. d/8 settings). Held resident beside the rows: the values' running sum per head (for v̄), two vectors.
+r = d/4 .. d/8 settings). Held resident beside the rows: the offloaded values' sum, one vector per KV head (for v̄;
+the resident rows' values are added when it is used).
 """
 
 from __future__ import annotations
