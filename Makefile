@@ -109,6 +109,7 @@ REUSE_CODECS := raw,quant:kivi-8,quant:kivi-4,quant:kivi-2,cachegen
 
 bench-reuse: setup redis
 	$(KVMEM) eval --suite reuse --models smollm2-135m --lengths 1024,4096,8192 --codecs $(REUSE_CODECS) --samples 10 --threads 1 --out results/reuse
+	$(KVMEM) eval --suite reuse --parts ttft --models gemma3-270m --lengths 1024,4096,8192,16384 --codecs $(REUSE_CODECS) --threads 1 --out results/reuse
 	$(KVMEM) eval --suite reuse --parts codec-frontier --models smollm2-135m,gemma3-270m --threads 1 --out results/reuse
 	$(KVMEM) eval --suite rag --models smollm2-135m --methods full,none,cacheblend,infoflow,infoflow-inorder --ratios 0.05,0.15,0.3 --samples 25 --threads 1 --out results/rag
 	$(PY) -c "from kvmem_bench.reuse.report import write_report; write_report(__import__('pathlib').Path('results/reuse'))"  # with the RAG table

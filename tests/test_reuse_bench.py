@@ -37,10 +37,13 @@ def test_a_short_run_records_every_tier_and_codec_and_reports_them(smollm2, tmp_
     warm = [r for r in records if r["kind"] == "warm"]
     assert {(r["tier"], r["codec"]) for r in warm} == {(t, c) for t in ("memory", "disk", "redis") for c in ("raw", "quant:kivi-8")}
     assert all(r["reused_tokens"] == 320 - 64 and r["computed_tokens"] > 0 for r in warm)  # the whole document
+    sequential = {(r["tier"], r["codec"]) for r in records if r["kind"] == "warm-sequential"}  # the same run, every layer first
+    assert sequential == {(r["tier"], r["codec"]) for r in warm}
     codecs = {r["codec"]: r for r in records if r["kind"] == "codec"}
     assert codecs["quant:kivi-8"]["bytes"] < codecs["raw"]["bytes"] / 3
     report = write_report(out).read_text()
     assert "| smollm2-135m | 320 |" in report and "quant:kivi-8" in report and "## Goals" in report
+    assert "## Layer-wise pipelining" in report and "| smollm2-135m | 320 | redis | raw |" in report
     readme = tmp_path / "README.md"
     readme.write_text("# x\n")
     update_readme("reuse", readme=readme, results=tmp_path)

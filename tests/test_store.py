@@ -128,8 +128,9 @@ def _reframed(payload_edit) -> bytes:
     payload = bytearray(blob[chunk.HEADER:])
     n = int.from_bytes(payload[:8], "little")
     entries = _json.loads(payload[8:8 + n])
-    payload = payload_edit(payload, entries, n)
-    return chunk.MAGIC + xxhash.xxh3_128_digest(bytes(payload)) + bytes(payload)
+    payload = bytes(payload_edit(payload, entries, n))
+    head = min(8 + int.from_bytes(payload[:8], "little"), len(payload))  # the frame's digest covers the header
+    return chunk.MAGIC + xxhash.xxh3_128_digest(payload[:head]) + payload
 
 
 def _with_header(entries: dict, payload: bytearray, n: int) -> bytearray:
@@ -153,8 +154,52 @@ def test_a_frame_whose_checksum_matches_but_whose_payload_lies_is_refused(lie):
             entries["b"]["dtype"] = "Q9"
         return _with_header(entries, payload, n)
 
-    with pytest.raises(chunk.CorruptChunk, match="does not parse"):
+    with pytest.raises(chunk.CorruptChunk, match="does not parse" if lie != "header length" else "header length"):
         chunk.unpack(_reframed(edit))
+
+
+def test_each_group_of_tensors_is_verified_on_its_own():
+    """A frame's header is verified when it is opened, each layer's tensors (`l.*`) when they are read: a byte altered
+    in layer 1 leaves layer 0 readable and layer 1 refused, and `unpack` (every group) refuses the chunk."""
+    tensors = {f"{l}.{f}": torch.randn(3, 8) for l in range(3) for f in ("keys", "values")}
+    blob = bytearray(chunk.pack(tensors, {"x": 1}))
+    frame = chunk.open_frame(bytes(blob))
+    assert frame.groups == ["0", "1", "2"] and torch.equal(frame.tensors["1.values"], tensors["1.values"])
+    at = bytes(blob).index(tensors["1.values"].numpy().tobytes())  # a byte of layer 1's data, not of its header
+    blob[at + 5] ^= 0x10
+    frame = chunk.open_frame(bytes(blob))
+    frame.verify("0")
+    frame.verify("2")
+    with pytest.raises(chunk.CorruptChunk, match=r"tensors 1\.\*"):
+        frame.verify("1")
+    with pytest.raises(chunk.CorruptChunk, match=r"tensors 1\.\*"):
+        chunk.unpack(bytes(blob))
+    header = bytearray(chunk.pack(tensors, {"x": 1}))
+    header[chunk.HEADER + 20] ^= 0x01  # inside the safetensors header (its JSON)
+    with pytest.raises(chunk.CorruptChunk, match="header checksum"):
+        chunk.open_frame(bytes(header))
+
+
+def test_a_frame_of_an_earlier_format_or_with_an_unhashed_tensor_is_refused():
+    """A KVMEMCK2 frame (one digest for the whole payload) is not read as this format; a frame whose header lists a
+    tensor that no digest covers (a wrong writer) is refused before any tensor is read."""
+    import json as _json
+
+    import xxhash
+
+    blob = chunk.pack({"0.keys": torch.randn(2, 4)}, {"x": 1})
+    with pytest.raises(chunk.CorruptChunk, match="not a kvmem chunk"):
+        chunk.open_frame(b"KVMEMCK2" + blob[8:])
+
+    def drop_digest(payload, entries, n):
+        entries["__metadata__"]["digests"] = _json.dumps({})
+        return _with_header(entries, payload, n)
+
+    payload = bytearray(blob[chunk.HEADER:])
+    n = int.from_bytes(payload[:8], "little")
+    edited = bytes(drop_digest(payload, _json.loads(payload[8:8 + n]), n))
+    with pytest.raises(chunk.CorruptChunk, match="covered by no digest"):
+        chunk.open_frame(chunk.MAGIC + xxhash.xxh3_128_digest(edited[:8 + n]) + edited)
 
 
 def test_unpacked_tensors_are_the_packed_ones_and_never_alias_the_stored_bytes():
@@ -432,7 +477,7 @@ class CountingTier(MemoryTier):
 
 
 def test_a_run_of_loads_reads_one_ahead_and_stops_at_the_first_miss():
-    """`load_run` gives what `load` gives, piece by piece, and after a miss reads nothing more (a verification
+    """`open_run` gives what `load` gives, piece by piece, and after a miss reads nothing more (a verification
     failure costs at most the one piece read ahead)."""
     lm = tiny_lm("llama")
     tier = CountingTier()
@@ -442,11 +487,11 @@ def test_a_run_of_loads_reads_one_ahead_and_stops_at_the_first_miss():
     pieces = [(k, i * 16, 16, None, None) for i, k in enumerate(keys)]
     one_by_one = [store.load(lm, k, s, t) for k, s, t, _, _ in pieces]
     tier.reads.clear()
-    together = list(store.load_run(lm, pieces))
+    together = [o.decoded() for o in store.open_run(lm, pieces)]
     assert tier.reads == keys and len(together) == len(one_by_one) == 5
     for a, b in zip(together, one_by_one):
         assert all(torch.equal(x["keys"], y["keys"]) for la, lb in zip(a.layers, b.layers) for x, y in zip(la.heads, lb.heads))
     tier.delete(keys[2])
     tier.reads.clear()
-    got = list(store.load_run(lm, pieces))
+    got = list(store.open_run(lm, pieces))
     assert [g is not None for g in got] == [True, True, False] and tier.reads == keys[:3]

@@ -42,6 +42,9 @@ class KVLayer(CacheLayerMixin):
         # What the current forward's attention sees: per head keys, values, positions, and the new tokens'
         # positions; set by update(), read by observe() and the compressor it calls, then released.
         self.seen: tuple | None = None
+        # Set while a loader thread is still putting this layer's stored rows in place (`reuse/pipeline.py`): called
+        # first by every method the model's forward calls on the layer, it waits until they are there.
+        self.arrival = None
 
     # -- what is held ----------------------------------------------------------------------------------
     @property
@@ -157,6 +160,8 @@ class KVLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: dict | None = None, **_) -> tuple[Tensor, Tensor]:
+        if self.arrival is not None:
+            self.arrival()
         if key_states.shape[0] != 1:
             raise KVMemError(f"a kvmem cache holds one sequence; got batch size {key_states.shape[0]}")
         if kwargs is None:
@@ -276,6 +281,8 @@ class KVLayer(CacheLayerMixin):
             self.log_weights = [w.index_select(0, i) for w, i in zip(self.log_weights, kept)]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.arrival is not None:
+            self.arrival()
         if self.compressed:  # kvmem builds this layer's mask itself; transformers' one is unused
             return max(self.lengths() or [0]) + query_length, 0
         if self.is_sliding:  # mirror DynamicSlidingWindowLayer exactly
@@ -284,6 +291,8 @@ class KVLayer(CacheLayerMixin):
         return self.next_position + query_length, 0
 
     def get_seq_length(self) -> int:
+        if self.arrival is not None:
+            self.arrival()
         return self.next_position
 
     def get_max_length(self) -> int:

@@ -22,8 +22,9 @@ import torch
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
 from kvmem.quant import QuantizedRows
-from kvmem.rows import GROW, DenseExport, ExportedRows
-from kvmem.store.store import ChunkStore, Loaded, StoreWarning
+from kvmem.reuse.pipeline import LayerFailed, LayerLoader
+from kvmem.rows import GROW, ExportedRows
+from kvmem.store.store import ChunkStore, Loaded, Opened, StoreWarning
 
 
 @dataclass
@@ -40,10 +41,12 @@ class ReuseReport:
     read_s: float = 0.0
     decode_s: float = 0.0
     import_s: float = 0.0
+    wait_s: float = 0.0  # of prefill_s: the forward waiting for a stored layer to be in place (`pipeline.py`)
     prefill_s: float = 0.0
     saved_compute_s: float = 0.0  # what the loaded chunks cost to compute when they were stored
     span: bool = False  # a whole compressed context came from the store
     full_kv_bytes: int | None = None  # a loaded compressed context: the bytes it held before compression
+    failed_loads: int = 0  # loads abandoned when a stored layer failed verification mid-forward (then recomputed)
 
     @property
     def load_s(self) -> float:
@@ -57,10 +60,11 @@ class ReuseReport:
         what = "a compressed context of" if self.span else f"{self.chunks_loaded} chunks,"
         return (f"reused {self.reused_tokens} of {self.prompt_tokens} prompt tokens ({what} {self.bytes_read / 2**20:.1f} MiB; "
                 f"{where}) in {self.load_s:.3f} s (read {self.read_s:.3f}, decode {self.decode_s:.3f}, import "
-                f"{self.import_s:.3f}); prefilled {self.computed_tokens} tokens in {self.prefill_s:.2f} s; the reused "
+                f"{self.import_s:.3f}; the forward waited {self.wait_s:.3f} for layers); prefilled {self.computed_tokens} "
+                f"tokens in {self.prefill_s:.2f} s; the reused "
                 f"part took {self.saved_compute_s:.2f} s to compute")
 
-    def add_load(self, got: Loaded, tokens: int) -> None:
+    def add_load(self, got: Loaded | Opened, tokens: int) -> None:
         self.reused_tokens += tokens
         self.tiers[got.tier] += 1
         self.bytes_read += got.nbytes
@@ -88,113 +92,13 @@ def chunk_rows(cache: KVCache, start: int, end: int) -> list[ExportedRows]:
     return out
 
 
-def import_chunks(cache: KVCache, chunks: list[list[ExportedRows]], next_position: int, spare: int = 0) -> None:
-    """Put the rows of consecutive chunks into an empty cache; decoding continues at `next_position`. A sliding
-    layer keeps what the next token can see (positions > next_position - window), as if it had computed them.
-    `spare`: free rows for the tokens the caller feeds next (no regrowth of the loaded rows to append them)."""
-    if any(layer.is_initialized for layer in cache.layers):
-        raise KVMemError("stored chunks load into an empty cache only")
-    for l, layer in enumerate(cache.layers):
-        _import_layer(layer, [c[l] for c in chunks], next_position, spare)
-
-
-def _import_layer(layer, pieces: list[ExportedRows], next_position: int, spare: int) -> None:
-    """One layer's rows of consecutive chunks into the (empty) layer (`import_chunks`)."""
-    rows = None if layer.is_sliding else _joined_in_place(pieces, spare)
-    adopt = rows is not None
-    if rows is None:
-        parts = [[p.heads[h] for p in pieces] for h in range(len(pieces[0].heads))]
-        heads = []
-        for head_parts in parts:
-            head = {f: torch.cat([p[f] for p in head_parts]) for f in head_parts[0]}
-            if layer.is_sliding:
-                keep = (head["positions"] > next_position - layer.sliding_window).nonzero().flatten()
-                head = {f: t.index_select(0, keep) for f, t in head.items()}
-            heads.append(head)
-        rows = ExportedRows(heads)
-    layer.import_rows(rows, next_position, spare, adopt)
-
-
-class _Assembly:
-    """Chunks put in place as they are loaded (`prefill`): each layer's rows are copied into the (H, planned rows +
-    spare, D) buffers the layer will adopt while the read-ahead thread reads the next chunk, so the copy and its page
-    faults (378 MB at 8k tokens of SmolLM2: ~0.1 s that used to follow the last read) overlap the reads. A layer is placed
-    only if every chunk's rows of it came as a `DenseExport` of the planned shape (not a sliding layer); the others,
-    or all of them if fewer rows came than planned, are imported from the chunks kept at the end (`import_chunks`)."""
-
-    def __init__(self, cache: KVCache, planned: int, spare: int):
-        self.cache, self.planned, self.spare = cache, planned, spare
-        self.chunks: list[list[ExportedRows]] = []
-        self.buffers: list[dict[str, torch.Tensor] | None] = []
-        self.rows = 0
-
-    def add(self, layers: list[ExportedRows], tokens: int) -> None:
-        """The next chunk's rows, of `tokens` tokens (what a layer that is not sliding holds of it)."""
-        if not self.chunks:
-            self.buffers = [None if layer.is_sliding or not isinstance(rows, DenseExport) else
-                            {f: torch.empty((t.shape[0], self.planned + self.spare, *t.shape[2:]), dtype=t.dtype)
-                             for f, t in (("keys", rows.keys), ("values", rows.values), ("positions", rows.positions))}
-                            for layer, rows in zip(self.cache.layers, layers)]
-        self.chunks.append(layers)
-        a, n = self.rows, tokens
-        for l, rows in enumerate(layers):
-            buffers = self.buffers[l]
-            if buffers is None:
-                continue
-            if not isinstance(rows, DenseExport) or rows.keys.shape[1] != n or a + n > self.planned or \
-                    any(getattr(rows, f).shape[::2] != b.shape[::2] or getattr(rows, f).dtype != b.dtype
-                        for f, b in buffers.items()):
-                self.buffers[l] = None  # imported from the chunks at the end
-                continue
-            for f, b in buffers.items():
-                b[:, a:a + n].copy_(getattr(rows, f))
-        self.rows += n
-
-    def finish(self, next_position: int) -> None:
-        """Every layer's rows into the cache: the placed layers adopt their buffers."""
-        for l, layer in enumerate(self.cache.layers):
-            buffers = self.buffers[l]
-            if buffers is None or self.rows != self.planned:
-                _import_layer(layer, [c[l] for c in self.chunks], next_position, self.spare)
-                continue
-            layer.import_rows(ExportedRows([{f: b[h, :self.rows] for f, b in buffers.items()}
-                                            for h in range(buffers["keys"].shape[0])]), next_position, self.spare, True)
-
-
-def _joined_in_place(pieces: list[ExportedRows], spare: int) -> ExportedRows | None:
-    """One layer's chunks joined straight into one (H, rows + spare, D) buffer per field, which the layer adopts as its
-    storage (`rows.store_rows`): one copy of the loaded rows instead of two (at 8k tokens of SmolLM2, 378 MB and its
-    page faults). Chunks decoded as `DenseExport` are read as their (H, T, D) tensors (no per-head dicts are made).
-    None where heads differ in length or carry more than keys, values and positions."""
-    if all(isinstance(p, DenseExport) for p in pieces) and len({p.keys.shape[::2] for p in pieces}) == 1:
-        n = sum(p.keys.shape[1] for p in pieces)
-        buffers = {f: torch.empty((t.shape[0], n + spare, *t.shape[2:]), dtype=t.dtype)
-                   for f, t in (("keys", pieces[0].keys), ("values", pieces[0].values), ("positions", pieces[0].positions))}
-        for f, buffer in buffers.items():
-            torch.cat([getattr(p, f) for p in pieces], dim=1, out=buffer[:, :n])
-        return ExportedRows([{f: buffer[h, :n] for f, buffer in buffers.items()} for h in range(buffers["keys"].shape[0])])
-    parts = [[p.heads[h] for p in pieces] for h in range(len(pieces[0].heads))]
-    if any(set(p) != {"keys", "values", "positions"} for head in parts for p in head):
-        return None
-    n = {sum(p["positions"].shape[0] for p in head) for head in parts}
-    if len(n) != 1:
-        return None
-    n = n.pop()
-    buffers = {f: torch.empty((len(parts), n + spare, *parts[0][0][f].shape[1:]), dtype=parts[0][0][f].dtype)
-               for f in ("keys", "values", "positions")}
-    for h, head in enumerate(parts):
-        for f, buffer in buffers.items():
-            torch.cat([p[f] for p in head], out=buffer[h, :n])
-    return ExportedRows([{f: buffer[h, :n] for f, buffer in buffers.items()} for h in range(len(parts))])
-
-
 TAIL = "context-tail"  # the namespace of a context's last, partial chunk (valid for exactly that context)
 
 
 @torch.no_grad()
 def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_tail: int = 1,
             report: ReuseReport | None = None, context_end: int | None = None,
-            interrupt=None) -> tuple[torch.Tensor, ReuseReport]:
+            interrupt=None, overlap: bool = True) -> tuple[torch.Tensor, ReuseReport]:
     """Prefill `ids` into the empty `cache` in chunk-aligned pieces, loading the longest stored prefix first (at
     least `min_tail` tokens are computed: the last token's logits are needed, and a scorer may need the queries
     of the last tokens) and saving every full chunk computed. Returns the last token's logits and the report.
@@ -203,7 +107,8 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
     chunk is stored too, under a key of exactly the context's tokens, so a request with the same context and
     another question computes only the question; a piece also ends there, so cold and warm runs compute the
     same pieces (raw reuse stays bit-identical). `interrupt()` is called before each piece (it raises to stop: the
-    server's cancelled requests)."""
+    server's cancelled requests). The stored layers are put in place while the forward runs (`pipeline.py`);
+    `overlap=False` puts every layer in place before the forward starts (the benchmark's comparison)."""
     ids = list(ids)
     if not ids:
         raise KVMemError("nothing to prefill: empty token list")
@@ -217,43 +122,52 @@ def prefill(lm, cache: KVCache, ids: list[int], store: ChunkStore | None, min_ta
     limit = len(ids) - max(min_tail, 1)  # tokens that may come from the store
     keys = store.keys(lm, ids) if store is not None else []
     # the stored prefix: full chunks, then the context's partial last chunk (stored under a key of exactly the
-    # context), read one ahead of their verification and in place (import_chunks copies the rows)
+    # context), each read while the one before has its header checked; their layers are verified and put in place by a
+    # loader thread while the forward runs (`pipeline.py`)
     pieces = [(key, i * n, n, None, None) for i, key in enumerate(keys) if (i + 1) * n <= limit]
     tail_key = None
     if store is not None and context_end is not None and context_end % n:
         tail_key = store.span_key(lm, ids[:context_end], TAIL)
         if len(pieces) == context_end // n and context_end <= limit:
             pieces.append((tail_key, len(pieces) * n, context_end % n, TAIL, True))
-    # each piece is put in place while the next one is read (`_Assembly`); rows for the rest and the first answer tokens
-    planned = pieces[-1][1] + pieces[-1][2] if pieces else 0
-    assembly = _Assembly(cache, planned, spare=len(ids) - planned + GROW)
-    start = 0
-    for piece, got in zip(pieces, store.load_run(lm, pieces, views=True) if pieces else ()):
+    opened, start = [], 0
+    for piece, got in zip(pieces, store.open_run(lm, pieces, views=True) if pieces else ()):
         if got is None:
             break
-        report.add_load(got, piece[2])
-        t = time.perf_counter()
-        assembly.add(got.layers, piece[2])
-        report.import_s += time.perf_counter() - t
+        opened.append(got)
         start = piece[1] + piece[2]
-    if tail_key is not None and start == context_end and assembly.chunks:
+    if tail_key is not None and start == context_end and opened:
         tail_key = None  # loaded, so stored already
     elif tail_key is not None and start == context_end // n * n and context_end <= limit and (not pieces or pieces[-1][3] != TAIL):
         # the prompt's chunks went on past the context and missed where it ends: its partial last chunk may be stored
-        got = store.load(lm, tail_key, start, context_end - start, TAIL, exact=True, views=True)
+        got = store.open(lm, tail_key, start, context_end - start, TAIL, exact=True, views=True)
         if got is not None:
-            report.add_load(got, context_end - start)
-            t = time.perf_counter()
-            assembly.add(got.layers, context_end - start)
-            report.import_s += time.perf_counter() - t
+            opened.append(got)
             start, tail_key = context_end, None
-    report.chunks_loaded = len(assembly.chunks)
-    if assembly.chunks:
-        t = time.perf_counter()
-        assembly.spare = len(ids) - start + GROW  # (as planned, unless fewer pieces came: then imported afresh)
-        assembly.finish(start)
-        report.import_s += time.perf_counter() - t
-    return compute_rest(lm, cache, ids, start, store, keys, n, report, context_end, tail_key, interrupt), report
+    if not opened:
+        return compute_rest(lm, cache, ids, 0, store, keys, n, report, context_end, tail_key, interrupt), report
+    loader = LayerLoader(cache, opened, start, spare=len(ids) - start + GROW)  # rows for the rest and the first answer
+    failed = None
+    try:
+        if not overlap:
+            loader.wait_all()
+        logits = compute_rest(lm, cache, ids, start, store, keys, n, report, context_end, tail_key, interrupt)
+    except LayerFailed as e:
+        failed = e
+    finally:
+        loader.close()
+    if failed is not None:  # nothing of this attempt is kept: prefill again, without the chunk (and what follows it)
+        store.reject(failed.opened.key, failed.opened.tier, failed.error)
+        for layer in cache.layers:
+            layer.reset()
+        report.failed_loads += 1
+        return prefill(lm, cache, ids, store, min_tail, report, context_end, interrupt, overlap)
+    for got in opened:
+        report.add_load(got, got.tokens)
+    report.chunks_loaded = len(opened)
+    report.import_s += loader.import_s
+    report.wait_s += loader.wait_s if overlap else 0.0  # (sequential: the forward never waits; the load came first)
+    return logits, report
 
 
 def compute_rest(lm, cache: KVCache, ids: list[int], start: int, store: ChunkStore | None, keys: list[str], n: int,

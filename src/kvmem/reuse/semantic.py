@@ -51,7 +51,8 @@ import torch
 
 from kvmem.cache import KVCache
 from kvmem.errors import KVMemError
-from kvmem.reuse.prefix import ReuseReport, compute_rest, import_chunks, prefill
+from kvmem.reuse.pipeline import import_chunks
+from kvmem.reuse.prefix import ReuseReport, compute_rest, prefill
 from kvmem.reuse.semantic_index import Match, SemanticIndex, check_ids, check_plain
 from kvmem.rows import ExportedRows
 from kvmem.store.keys import chunk_keys

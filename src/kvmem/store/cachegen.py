@@ -231,43 +231,44 @@ class CacheGenCodec(Codec):
             tensors[f"{l}.escapes"] = escapes.to(torch.int16 if small else torch.int32)
         return tensors, {"group": self.coded_group, "anchor_bin": self.anchor_bin, "sink": self.sink, "layers": metas}
 
-    def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
-        group, anchor_bin, sink = meta["group"], meta["anchor_bin"], meta.get("sink", 0)
-        if not isinstance(sink, int) or sink < 0 or (sink and group):
+    def layer_count(self, meta: dict) -> int:
+        sink = meta.get("sink", 0)
+        if not isinstance(sink, int) or sink < 0 or (sink and meta["group"]):
             raise KVMemError(f"cachegen chunk: bad sink {sink!r} in its meta")
-        quantized = []
-        for l, lm in enumerate(meta["layers"]):
-            lengths, dims, halves = lm["lengths"], lm["dims"], lm["halves"]
-            if group:
-                anchors = [-(-t // group) for t in lengths]
-            else:  # the sink rows of each head (none without a sink)
-                anchors = [int(_fine(_positions(lm, tensors, l, h), 0, sink).sum()) for h in range(len(lengths))]
-            hists = list(unpack(_tensor(tensors, f"{l}.anchor_hist"), 3, 2 * (ANCHOR_HALF + 2)).view(2, 1, -1))
-            for kv, d, half in zip("kv", dims, halves):
-                hist = unpack(_tensor(tensors, f"{l}.{kv}_hist"), 3, len(lengths) * d * (half + 2))
-                hists += list(hist.view(len(lengths), d, half + 2))
-            plan = [(sum(anchors) * d, ANCHOR_HALF) for d in dims]  # (symbols a row, half): blocks as `encode` wrote them
-            plan += [(t - a, half) for half in halves for t, a in zip(lengths, anchors)]
-            words = np.frombuffer(_tensor(tensors, f"{l}.stream").numpy().tobytes(), dtype="<u4").astype(np.uint32)
-            decoder = constriction.stream.queue.RangeDecoder(words)
-            escapes, taken, blocks = _tensor(tensors, f"{l}.escapes"), 0, []
-            for (n, half), hist in zip(plan, hists):
-                probs = _probs(hist)
-                idx = np.stack([decoder.decode(_model(p), n) for p in probs]) if n and len(hist) else np.zeros((len(hist), n))
-                idx = torch.from_numpy(idx.astype(np.int64))
-                q, hit = idx - half, idx == 2 * half + 1
-                q[hit] = escapes[taken:taken + int(hit.sum())].long()
-                taken += int(hit.sum())
-                blocks.append(q)
-            n_heads = len(lengths)
-            fields = []
-            for i, d in enumerate(dims):
-                qas = blocks[i][0].split([a * d for a in anchors])
-                qds = blocks[2 + i * n_heads:2 + (i + 1) * n_heads]
-                fields.append([(_tensor(tensors, f"{l}.{'kv'[i]}_scale")[h], qas[h].view(a, d), qds[h].t())
-                               for h, a in enumerate(anchors)])
-            quantized.append(fields)
-        return _rows(quantized, meta["layers"], tensors, group, anchor_bin, sink)
+        return len(meta["layers"])
+
+    def decode_layer(self, tensors: dict[str, Tensor], meta: dict, l: int) -> ExportedRows:
+        group, anchor_bin, sink, lm = meta["group"], meta["anchor_bin"], meta.get("sink", 0), meta["layers"][l]
+        lengths, dims, halves = lm["lengths"], lm["dims"], lm["halves"]
+        if group:
+            anchors = [-(-t // group) for t in lengths]
+        else:  # the sink rows of each head (none without a sink)
+            anchors = [int(_fine(_positions(lm, tensors, l, h), 0, sink).sum()) for h in range(len(lengths))]
+        hists = list(unpack(_tensor(tensors, f"{l}.anchor_hist"), 3, 2 * (ANCHOR_HALF + 2)).view(2, 1, -1))
+        for kv, d, half in zip("kv", dims, halves):
+            hist = unpack(_tensor(tensors, f"{l}.{kv}_hist"), 3, len(lengths) * d * (half + 2))
+            hists += list(hist.view(len(lengths), d, half + 2))
+        plan = [(sum(anchors) * d, ANCHOR_HALF) for d in dims]  # (symbols a row, half): blocks as `encode` wrote them
+        plan += [(t - a, half) for half in halves for t, a in zip(lengths, anchors)]
+        words = np.frombuffer(_tensor(tensors, f"{l}.stream").numpy().tobytes(), dtype="<u4").astype(np.uint32)
+        decoder = constriction.stream.queue.RangeDecoder(words)
+        escapes, taken, blocks = _tensor(tensors, f"{l}.escapes"), 0, []
+        for (n, half), hist in zip(plan, hists):
+            probs = _probs(hist)
+            idx = np.stack([decoder.decode(_model(p), n) for p in probs]) if n and len(hist) else np.zeros((len(hist), n))
+            idx = torch.from_numpy(idx.astype(np.int64))
+            q, hit = idx - half, idx == 2 * half + 1
+            q[hit] = escapes[taken:taken + int(hit.sum())].long()
+            taken += int(hit.sum())
+            blocks.append(q)
+        n_heads = len(lengths)
+        fields = []
+        for i, d in enumerate(dims):
+            qas = blocks[i][0].split([a * d for a in anchors])
+            qds = blocks[2 + i * n_heads:2 + (i + 1) * n_heads]
+            fields.append([(_tensor(tensors, f"{l}.{'kv'[i]}_scale")[h], qas[h].view(a, d), qds[h].t())
+                           for h, a in enumerate(anchors)])
+        return _layer_rows(l, fields, lm, tensors, group, anchor_bin, sink)
 
 
 def _fine(positions: Tensor, group: int, sink: int) -> Tensor | None:
@@ -284,18 +285,21 @@ def _positions(lm: dict, tensors: dict[str, Tensor], l: int, h: int) -> Tensor:
 
 def _rows(quantized: list, metas: list[dict], tensors: dict[str, Tensor], group: int, anchor_bin: float,
           sink: int = 0) -> list[ExportedRows]:
-    """Raw rows from quantized symbols: dequantized keys and values, positions from the meta or `tensors`."""
-    out = []
-    for l, (fields, lm) in enumerate(zip(quantized, metas)):
-        dtype = _dtype(lm["dtype"])
-        heads = []
-        for h in range(len(lm["starts"])):
-            positions = _positions(lm, tensors, l, h)
-            fine = _fine(positions, group, sink)
-            kv = [_dequantize(*fields[i][h], group, anchor_bin, lm["bins"][i], dtype, fine) for i in range(2)]
-            heads.append({"keys": kv[0], "values": kv[1], "positions": positions})
-        out.append(ExportedRows(heads))
-    return out
+    """Raw rows from quantized symbols, every layer (`_layer_rows`)."""
+    return [_layer_rows(l, fields, lm, tensors, group, anchor_bin, sink) for l, (fields, lm) in enumerate(zip(quantized, metas))]
+
+
+def _layer_rows(l: int, fields: list, lm: dict, tensors: dict[str, Tensor], group: int, anchor_bin: float,
+                sink: int = 0) -> ExportedRows:
+    """Layer l's raw rows from its quantized symbols: dequantized keys and values, positions from the meta or `tensors`."""
+    dtype = _dtype(lm["dtype"])
+    heads = []
+    for h in range(len(lm["starts"])):
+        positions = _positions(lm, tensors, l, h)
+        fine = _fine(positions, group, sink)
+        kv = [_dequantize(*fields[i][h], group, anchor_bin, lm["bins"][i], dtype, fine) for i in range(2)]
+        heads.append({"keys": kv[0], "values": kv[1], "positions": positions})
+    return ExportedRows(heads)
 
 
 def parse_cachegen(spec: str) -> CacheGenCodec:

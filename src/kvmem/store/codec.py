@@ -1,5 +1,6 @@
 """The codec interface (`codecs.py` has the codecs and `get_codec`): one chunk's rows, every layer's `ExportedRows`,
-as named tensors plus JSON metadata, and back; with the checks every decoder makes on what it reads."""
+as named tensors plus JSON metadata, and back, a layer at a time (layer l's tensors are named `l.*`: the frame verifies
+each layer's tensors on their own, `chunk.py`); with the checks every decoder makes on what it reads."""
 
 from __future__ import annotations
 
@@ -29,8 +30,16 @@ class Codec:
     def encode(self, layers: list[ExportedRows]) -> tuple[dict[str, Tensor], dict]:
         raise NotImplementedError
 
-    def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
+    def layer_count(self, meta: dict) -> int:
+        """How many layers a chunk of this codec holds, by its metadata (checked for consistency)."""
         raise NotImplementedError
+
+    def decode_layer(self, tensors: dict[str, Tensor], meta: dict, l: int) -> ExportedRows:
+        """Layer `l`'s rows, from its tensors (`l.*`) only: a reader verifies and decodes a chunk layer by layer."""
+        raise NotImplementedError
+
+    def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
+        return [self.decode_layer(tensors, meta, l) for l in range(self.layer_count(meta))]
 
 
 def _dtype(name: str) -> torch.dtype:

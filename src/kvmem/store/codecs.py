@@ -62,33 +62,30 @@ class RawCodec(Codec):
                 "weighted": [any("log_weights" in h for h in r.heads) for r in layers]}
         return tensors, meta | ({"encoded": encoded} if any(encoded) else {})
 
-    def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
-        fields = ("keys", "values", "positions")
-        out = []
-        encoded = meta.get("encoded") or [None] * len(meta["heads"])
-        dense = meta.get("dense") or [False] * len(meta["heads"])
-        if not len(meta["heads"]) == len(meta["weighted"]) == len(encoded) == len(dense):
+    def layer_count(self, meta: dict) -> int:
+        n = len(meta["heads"])
+        if not n == len(meta["weighted"]) == len(meta.get("encoded") or [None] * n) == len(meta.get("dense") or [False] * n):
             raise KVMemError("chunk metadata of different lengths per layer")
-        for l, (n_heads, weighted, held, stacked) in enumerate(zip(meta["heads"], meta["weighted"], encoded, dense)):
-            if stacked:  # shapes checked by the store (`_check_rows`) before any head is read
-                k, v, p = (_tensor(tensors, f"{l}.{f}") for f in fields)
-                if k.dim() != 3 or k.shape[0] != n_heads or v.shape != k.shape or p.shape != k.shape[:2]:
-                    raise KVMemError(f"layer {l}: keys {tuple(k.shape)}, values {tuple(v.shape)}, positions "
-                                     f"{tuple(p.shape)} are not {n_heads} heads of as many rows")
-                out.append(DenseExport(k, v, p))
-                continue
-            if held is not None:  # checked against the layer's scheme when imported (QuantizedRows.import_encoded)
-                if len(held["fields"]) != n_heads:
-                    raise KVMemError(f"layer {l}: {len(held['fields'])} heads of encoded fields, {n_heads} heads")
-                heads = [{f: _tensor(tensors, f"{l}.{h}.{f}") for f in names} for h, names in enumerate(held["fields"])]
-                out.append(ExportedRows(heads, held["codec"], held["meta"]))
-                continue
-            heads = []
-            for h in range(n_heads):
-                head = {f: _tensor(tensors, f"{l}.{h}.{f}") for f in fields + (("log_weights",) if weighted else ())}
-                heads.append(head)
-            out.append(ExportedRows(heads))
-        return out
+        return n
+
+    def decode_layer(self, tensors: dict[str, Tensor], meta: dict, l: int) -> ExportedRows:
+        fields = ("keys", "values", "positions")
+        n_heads, weighted = meta["heads"][l], meta["weighted"][l]
+        held = (meta.get("encoded") or [None] * len(meta["heads"]))[l]
+        stacked = (meta.get("dense") or [False] * len(meta["heads"]))[l]
+        if stacked:  # shapes checked by the store (`_check_layer`) before any head is read
+            k, v, p = (_tensor(tensors, f"{l}.{f}") for f in fields)
+            if k.dim() != 3 or k.shape[0] != n_heads or v.shape != k.shape or p.shape != k.shape[:2]:
+                raise KVMemError(f"layer {l}: keys {tuple(k.shape)}, values {tuple(v.shape)}, positions "
+                                 f"{tuple(p.shape)} are not {n_heads} heads of as many rows")
+            return DenseExport(k, v, p)
+        if held:  # checked against the layer's scheme when imported (QuantizedRows.import_encoded)
+            if len(held["fields"]) != n_heads:
+                raise KVMemError(f"layer {l}: {len(held['fields'])} heads of encoded fields, {n_heads} heads")
+            heads = [{f: _tensor(tensors, f"{l}.{h}.{f}") for f in names} for h, names in enumerate(held["fields"])]
+            return ExportedRows(heads, held["codec"], held["meta"])
+        return ExportedRows([{f: _tensor(tensors, f"{l}.{h}.{f}") for f in fields + (("log_weights",) if weighted else ())}
+                             for h in range(n_heads)])
 
 
 def _dense(rows: ExportedRows) -> bool:
@@ -149,24 +146,24 @@ class QuantCodec(Codec):
             metas.append({"layout": "heads", "fields": [sorted(head) for head in exported.heads], "meta": exported.meta})
         return tensors, {"layers": metas}
 
-    def decode(self, tensors: dict[str, Tensor], meta: dict) -> list[ExportedRows]:
+    def layer_count(self, meta: dict) -> int:
+        return len(meta["layers"])
+
+    def decode_layer(self, tensors: dict[str, Tensor], meta: dict, l: int) -> ExportedRows:
         from kvmem.quant import QuantizedRows
 
-        out = []
-        for l, layer in enumerate(meta["layers"]):
-            scheme = self.scheme.for_layer(l)
-            if layer.get("layout") == "layer":
-                held = QuantizedRows.import_layer(scheme, {f: _tensor(tensors, f"{l}.{f}") for f in layer["fields"]},
-                                                  layer["meta"])
-            elif layer.get("layout") == "heads":
-                heads = [{f: _tensor(tensors, f"{l}.{h}.{f}") for f in fields} for h, fields in enumerate(layer["fields"])]
-                held = QuantizedRows.import_encoded(scheme, ExportedRows(heads, self.scheme.spec, layer["meta"]))
-            else:
-                raise KVMemError(f"layer {l}: an unknown layout {layer.get('layout')!r}")
-            stacked = held.stacked()  # every head decoded in one pass where they hold as many rows (a chunk)
-            out.append(DenseExport(*stacked) if stacked is not None else
-                       ExportedRows([{"keys": k, "values": v, "positions": p} for k, v, p in held.heads()]))
-        return out
+        layer, scheme = meta["layers"][l], self.scheme.for_layer(l)
+        if layer.get("layout") == "layer":
+            held = QuantizedRows.import_layer(scheme, {f: _tensor(tensors, f"{l}.{f}") for f in layer["fields"]},
+                                              layer["meta"])
+        elif layer.get("layout") == "heads":
+            heads = [{f: _tensor(tensors, f"{l}.{h}.{f}") for f in fields} for h, fields in enumerate(layer["fields"])]
+            held = QuantizedRows.import_encoded(scheme, ExportedRows(heads, self.scheme.spec, layer["meta"]))
+        else:
+            raise KVMemError(f"layer {l}: an unknown layout {layer.get('layout')!r}")
+        stacked = held.stacked()  # every head decoded in one pass where they hold as many rows (a chunk)
+        return (DenseExport(*stacked) if stacked is not None else
+                ExportedRows([{"keys": k, "values": v, "positions": p} for k, v, p in held.heads()]))
 
 
 def get_codec(spec: str) -> Codec:

@@ -4,6 +4,7 @@
     keys = store.keys(lm, ids)                      # one per full chunk of ids (keys.py)
     store.save(lm, keys[0], rows, start=0, tokens=256)
     rows = store.load(lm, keys[0], start=0, tokens=256)   # list[ExportedRows] per layer, or None
+    opened = store.open(lm, keys[0], start=0, tokens=256)  # header verified; opened.layer(l) verifies and decodes one
 
 Reads go through the tiers fastest first and promote a hit to the faster tiers. Writes go to every tier
 (`write="through"`) or to the first only (`write="memory"`). What goes wrong never reaches the caller as
@@ -11,7 +12,7 @@ an exception: a tier that cannot be reached (Redis down), is full or read-only i
 `StoreWarning` and a counter (`store.stats`), and the caller recomputes. A Redis Cluster tier with one node
 down fails only for that node's chunks (`NodeDown`): they are misses and skipped writes, counted and warned
 about the same way, while its other nodes keep serving. A chunk read back is used only if
-its frame checksum, model fingerprint, tokenizer, codec and codec version, key, token range and row
+its frame's digests (the header's, and each layer's as that layer is read), model fingerprint, tokenizer, codec and codec version, key, token range and row
 layout all match what was asked for; otherwise it is deleted from every tier, counted as `corrupt`, and
 the caller recomputes.
 """
@@ -234,16 +235,23 @@ class ChunkStore:
              exact: bool | None = None, views: bool = False) -> Loaded | None:
         """The verified rows of one chunk, or None (a miss, or a chunk that failed verification: discarded).
         `exact` (default: when uncompressed): every layer must hold every position an uncompressed layer holds.
-        `views`: raw rows may view the stored bytes (`chunk.unpack`): for a caller that copies them before any write."""
+        `views`: raw rows may view the stored bytes (`chunk.open_frame`): for a caller that copies them before any write."""
+        opened = self.open(lm, key, start, tokens, compression, exact, views)
+        return opened.decoded() if opened is not None else None
+
+    def open(self, lm, key: str, start: int, tokens: int, compression: str | None = None,
+             exact: bool | None = None, views: bool = False) -> Opened | None:
+        """One chunk read and its header verified (model, tokenizer, codec, key, token range), or None (a miss, or a
+        header that failed: discarded). Its layers are verified and decoded one at a time by `Opened.layer`."""
         t0 = time.perf_counter()
         blob, tier = self.get_bytes(key)
-        return self._verified(lm, key, start, tokens, compression, exact, views, blob, tier, time.perf_counter() - t0)
+        return self._opened(lm, key, start, tokens, compression, exact, views, blob, tier, time.perf_counter() - t0)
 
-    def load_run(self, lm, pieces: list[tuple], views: bool = False) -> Iterator[Loaded | None]:
-        """`load` of each piece, `(key, start, tokens, compression, exact)`, in order, reading the next piece's bytes in
-        a thread while this one is verified and decoded: a disk or Redis read overlaps the CPU's work (the GIL is
-        released while bytes arrive). Each Loaded's `read_s` is the time spent waiting for its bytes. A caller stops
-        at the first None; what was read ahead for the piece after it is the only read wasted."""
+    def open_run(self, lm, pieces: list[tuple], views: bool = False) -> Iterator[Opened | None]:
+        """`open` of each piece, `(key, start, tokens, compression, exact)`, in order, reading the next piece's bytes in
+        a thread while this one's header is checked (the GIL is released while a disk or Redis read's bytes arrive).
+        Each Opened's `read_s` is the time spent waiting for its bytes. A caller stops at the first None; what was read
+        ahead for the piece after it is the only read wasted."""
         def read(key: str) -> tuple:
             t = time.perf_counter()
             return (*self.get_bytes(key), t)
@@ -255,32 +263,75 @@ class ChunkStore:
                 blob, tier, began = ahead.result()
                 waited = time.perf_counter() - max(t0, began)
                 ahead = pool.submit(read, pieces[i + 1][0]) if blob is not None and i + 1 < len(pieces) else None
-                got = self._verified(lm, key, start, tokens, compression, exact, views, blob, tier, waited)
+                got = self._opened(lm, key, start, tokens, compression, exact, views, blob, tier, waited)
                 yield got
                 if got is None:
                     return
 
-    def _verified(self, lm, key: str, start: int, tokens: int, compression: str | None, exact: bool | None,
-                  views: bool, blob: bytes | None, tier: str | None, read_s: float) -> Loaded | None:
+    def reject(self, key: str, tier: str | None, error: Exception) -> None:
+        """A chunk that failed verification: counted, warned about, deleted from every tier (the caller recomputes)."""
+        self._count("corrupt")
+        warnings.warn(f"kvmem store: chunk {key[:12]} from {tier} discarded ({error}); recomputing", StoreWarning,
+                      stacklevel=3)
+        self.discard(key)
+
+    def _opened(self, lm, key: str, start: int, tokens: int, compression: str | None, exact: bool | None,
+                views: bool, blob: bytes | None, tier: str | None, read_s: float) -> Opened | None:
         if blob is None:
             return None
         t1 = time.perf_counter()
+        codec = self.codec_for(lm)
         try:
-            tensors, header = chunk.unpack(blob, views)
+            frame = chunk.open_frame(blob, views)
+            header = frame.header
             want = self._header(lm, key, start, tokens, compression)
             wrong = [f"{k} is {header.get(k)!r}, expected {v!r}" for k, v in want.items() if header.get(k) != v]
             if wrong:
                 raise chunk.CorruptChunk("; ".join(wrong))
-            layers = self.codec_for(lm).decode(tensors, header.get("codec_meta") or {})
-            _check_rows(lm, layers, start, start + tokens, exact=compression is None if exact is None else exact)
-        except KVMemError as e:
-            self._count("corrupt")
-            warnings.warn(f"kvmem store: chunk {key[:12]} from {tier} discarded ({e}); recomputing", StoreWarning,
-                          stacklevel=2)
-            self.discard(key)
+            n_layers = codec.layer_count(header.get("codec_meta") or {})
+            if n_layers != len(layer_windows(lm.config)):
+                raise chunk.CorruptChunk(f"{n_layers} layers, the model has {len(layer_windows(lm.config))}")
+        except (KVMemError, KeyError, TypeError) as e:  # metadata of the wrong shape reads as corrupt, not as a crash
+            self.reject(key, tier, e)
             return None
-        return Loaded(layers, tier, len(blob), read_s, time.perf_counter() - t1, header.get("compute_s"),
-                      header.get("info"))
+        exact = compression is None if exact is None else exact
+        return Opened(self, lm, key, frame, codec, start, tokens, exact, tier, len(blob), read_s,
+                      time.perf_counter() - t1)
+
+
+class Opened:
+    """A chunk read from a tier with its header verified. `layer(l)` verifies layer l's bytes (its own digest), decodes
+    them and checks the rows against the model and the token range; it raises KVMemError if anything is wrong, and
+    the caller rejects the chunk (`ChunkStore.reject`). `decode_s` sums the time spent verifying and decoding."""
+
+    def __init__(self, store: ChunkStore, lm, key: str, frame: chunk.Frame, codec: Codec, start: int, tokens: int,
+                 exact: bool, tier: str, nbytes: int, read_s: float, decode_s: float):
+        self.store, self.lm, self.key, self.frame, self.codec = store, lm, key, frame, codec
+        self.start, self.tokens, self.exact, self.tier, self.nbytes = start, tokens, exact, tier, nbytes
+        self.read_s, self.decode_s = read_s, decode_s
+        self.compute_s, self.info = frame.header.get("compute_s"), frame.header.get("info")
+        self.shape = _ModelShape(lm)
+
+    def layer(self, l: int) -> ExportedRows:
+        t = time.perf_counter()
+        try:
+            self.frame.verify(str(l))
+            rows = self.codec.decode_layer(self.frame.tensors, self.frame.header.get("codec_meta") or {}, l)
+            _check_layer(self.shape, l, rows, self.start, self.start + self.tokens, self.exact)
+        except (KeyError, TypeError, IndexError) as e:
+            raise chunk.CorruptChunk(f"layer {l}: metadata does not fit its tensors ({type(e).__name__}: {e})") from None
+        finally:
+            self.decode_s += time.perf_counter() - t
+        return rows
+
+    def decoded(self) -> Loaded | None:
+        """Every layer (`layer`), or None if one fails (the chunk is rejected)."""
+        try:
+            layers = [self.layer(l) for l in range(self.shape.n_layers)]
+        except KVMemError as e:
+            self.store.reject(self.key, self.tier, e)
+            return None
+        return Loaded(layers, self.tier, self.nbytes, self.read_s, self.decode_s, self.compute_s, self.info)
 
 
 class Loaded:
@@ -292,43 +343,46 @@ class Loaded:
             layers, tier, nbytes, read_s, decode_s, compute_s, info)
 
 
-def _check_rows(lm, layers: list[ExportedRows], start: int, end: int, exact: bool) -> None:
-    """Decoded rows fit this model and this token range (`exact`: every position an uncompressed layer holds). A
-    `DenseExport` layer is checked as its three tensors, not head by head (at 8k a load checks ~3k heads)."""
-    text = lm.config.get_text_config()
-    windows = layer_windows(lm.config)
-    kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    if len(layers) != len(windows):
-        raise chunk.CorruptChunk(f"{len(layers)} layers, the model has {len(windows)}")
-    floats: list[list[torch.Tensor]] = []  # per layer, what must be finite: checked for the whole chunk at once
-    for l, (rows, window) in enumerate(zip(layers, windows)):
-        want = expected_positions(window, start, end) if exact else None
-        want_t = torch.arange(want.start, want.stop, dtype=torch.int32) if want is not None else None
-        if isinstance(rows, DenseExport):
-            k, v, p = rows.keys, rows.values, rows.positions
-            if k.dim() != 3 or k.shape[0] != kv_heads or k.shape[2] != head_dim or v.shape != k.shape or \
-                    p.shape != k.shape[:2]:
-                raise chunk.CorruptChunk(f"layer {l}: keys {tuple(k.shape)}, values {tuple(v.shape)}, positions "
-                                         f"{tuple(p.shape)} ({kv_heads} KV heads of head_dim {head_dim})")
-            _check_positions(l, "every head", p, start, end, want, want_t)
-            floats.append([k, v])
-            continue
-        if len(rows.heads) != kv_heads:
-            raise chunk.CorruptChunk(f"layer {l}: {len(rows.heads)} KV heads, the model has {kv_heads}")
-        if rows.codec != "raw":  # a quantized layer's rows as held: its positions and residual here, its codes on import
-            floats.append(_check_encoded(l, rows, head_dim, start, end))
-            continue
+class _ModelShape:
+    """What rows must fit: per layer its sliding window, and the KV heads and head_dim."""
+
+    def __init__(self, lm):
+        text = lm.config.get_text_config()
+        self.windows = layer_windows(lm.config)
+        self.n_layers = len(self.windows)
+        self.kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _check_layer(shape: _ModelShape, l: int, rows: ExportedRows, start: int, end: int, exact: bool) -> None:
+    """Layer l's decoded rows fit the model and the token range (`exact`: every position an uncompressed layer holds)
+    and are finite. A `DenseExport` layer is checked as its three tensors, not head by head (at 8k a load checks ~3k
+    heads)."""
+    kv_heads, head_dim = shape.kv_heads, shape.head_dim
+    want = expected_positions(shape.windows[l], start, end) if exact else None
+    want_t = torch.arange(want.start, want.stop, dtype=torch.int32) if want is not None else None
+    if isinstance(rows, DenseExport):
+        k, v, p = rows.keys, rows.values, rows.positions
+        if k.dim() != 3 or k.shape[0] != kv_heads or k.shape[2] != head_dim or v.shape != k.shape or \
+                p.shape != k.shape[:2]:
+            raise chunk.CorruptChunk(f"layer {l}: keys {tuple(k.shape)}, values {tuple(v.shape)}, positions "
+                                     f"{tuple(p.shape)} ({kv_heads} KV heads of head_dim {head_dim})")
+        _check_positions(l, "every head", p, start, end, want, want_t)
+        floats = [k, v]
+    elif len(rows.heads) != kv_heads:
+        raise chunk.CorruptChunk(f"layer {l}: {len(rows.heads)} KV heads, the model has {kv_heads}")
+    elif rows.codec != "raw":  # a quantized layer's rows as held: its positions and residual here, its codes on import
+        floats = _check_encoded(l, rows, head_dim, start, end)
+    else:
         for h, head in enumerate(rows.heads):
             k, v, p = head["keys"], head["values"], head["positions"]
             if k.dim() != 2 or k.shape[1] != head_dim or v.shape[0] != k.shape[0] or p.shape != (k.shape[0],):
                 raise chunk.CorruptChunk(f"layer {l} head {h}: keys {tuple(k.shape)}, values {tuple(v.shape)}, "
                                          f"positions {tuple(p.shape)} (head_dim {head_dim})")
             _check_positions(l, f"head {h}", p, start, end, want, want_t)
-        floats.append([t for head in rows.heads for t in (head["keys"], head["values"])])
-    if not _finite([t for ts in floats for t in ts]):
-        bad = next(l for l, ts in enumerate(floats) if not _finite(ts))
-        raise chunk.CorruptChunk(f"layer {bad}: non-finite keys, values, residual rows, scales or zero-points")
+        floats = [t for head in rows.heads for t in (head["keys"], head["values"])]
+    if not _finite(floats):
+        raise chunk.CorruptChunk(f"layer {l}: non-finite keys, values, residual rows, scales or zero-points")
 
 
 def _check_positions(l: int, what: str, p: torch.Tensor, start: int, end: int, want: range | None,
@@ -363,7 +417,7 @@ def _check_encoded(l: int, rows: ExportedRows, head_dim: int, start: int, end: i
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
     """No NaN or infinity in `tensors`: a sum is finite only if every term is (one pass at memory speed, where
-    `isfinite` writes a mask), and the sums are tested together (one test a chunk, not one a tensor). A sum that
+    `isfinite` writes a mask), and the sums are tested together (one test a layer, not one a tensor). A sum that
     overflows on finite terms reads as corrupt: the chunk is recomputed, never trusted wrongly; a layer's KV sums to
     far below float32's range."""
     sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel()]
