@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -136,3 +137,29 @@ def test_a_cancelled_prefill_stops_its_loader(smollm2):
     held = [layer.is_initialized for layer in cache.layers]
     time.sleep(0.3)  # the loader stopped when prefill returned: nothing is put into the cache after
     assert [layer.is_initialized for layer in cache.layers] == held
+
+
+def test_a_sliding_layer_reads_only_the_chunks_in_its_window(gemma3):
+    """Gemma-3's sliding layers keep the last 511 rows: their rows of earlier chunks are never read, so an altered
+    byte there goes unread (the load is whole and bit-identical to cold), while the same chunk's global layer is still
+    verified (an altered byte there is refused)."""
+    lm = gemma3
+    prompt = build_prompt(lm.tokenizer, " ".join(load_abstracts()[:12]), QUESTION)
+    store = ChunkStore("memory", chunk_size=128)
+    cold, _, _ = _warm(lm, store, prompt)
+    assert len(prompt.context) > lm.model.config.sliding_window + 3 * 128
+    types = lm.model.config.layer_types
+    sliding, full = types.index("sliding_attention"), types.index("full_attention")
+    tier, key = store.tiers[0], store.keys(lm, prompt.ids)[0]
+    stored = tier.get(key)
+    tier.put(key, _altered(stored, f"{sliding}.values"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        logits, report, _ = _warm(lm, store, prompt)
+    assert not [w for w in seen if issubclass(w.category, StoreWarning)]
+    assert report.failed_loads == 0 and report.reused_tokens == len(prompt.context) and store.stats["corrupt"] == 0
+    assert torch.equal(logits, cold)
+    tier.put(key, _altered(stored, f"{full}.values"))
+    with pytest.warns(StoreWarning, match=rf"tensors {full}\.\*"):
+        logits, report, _ = _warm(lm, store, prompt)
+    assert report.failed_loads == 1 and report.reused_tokens == 0 and torch.equal(logits, cold)

@@ -63,7 +63,7 @@ class LayerLoader:
                 if self._stop:
                     return
                 pieces = []
-                for opened in self.opened:
+                for opened in self._needed(layer):
                     try:
                         pieces.append(opened.layer(l))
                     except KVMemError as e:
@@ -79,6 +79,15 @@ class LayerLoader:
         finally:
             for event in self.ready:  # wake every waiter: it sees from `imported` whether its layer came
                 event.set()
+
+    def _needed(self, layer) -> list:
+        """The chunks whose rows of `layer` it keeps: all, or for a sliding layer those with a position the next token
+        can see (> next_position - window). The others' rows of it are neither verified nor decoded: never read (on
+        Gemma-3 at 16k tokens, 15 of 18 layers keep 511 rows of 16k)."""
+        if not layer.is_sliding:
+            return self.opened
+        first = self.next_position - layer.sliding_window + 1
+        return [o for o in self.opened if o.start + o.tokens > first]
 
     def _arrive(self, l: int) -> None:
         """Called by layer l before the forward reads it: wait for its rows, or raise what stopped the loader."""
