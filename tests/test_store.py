@@ -21,6 +21,7 @@ from kvmem.models import LoadedModel
 from kvmem.reuse import prefill
 from kvmem.store import ChunkStore, StoreWarning, chunk, get_codec
 from kvmem.store.keys import chunk_keys, namespace
+from kvmem.store.store import READ_AHEAD
 from kvmem.store.tiers import DiskTier, MemoryTier, RedisTier, parse_stack
 
 torch.set_num_threads(1)
@@ -478,7 +479,7 @@ class CountingTier(MemoryTier):
 
 def test_a_run_of_loads_reads_one_ahead_and_stops_at_the_first_miss():
     """`open_run` gives what `load` gives, piece by piece, and after a miss reads nothing more (a verification
-    failure costs at most the one piece read ahead)."""
+    failure costs at most the pieces read ahead)."""
     lm = tiny_lm("llama")
     tier = CountingTier()
     store = ChunkStore([tier], chunk_size=16)
@@ -488,10 +489,11 @@ def test_a_run_of_loads_reads_one_ahead_and_stops_at_the_first_miss():
     one_by_one = [store.load(lm, k, s, t) for k, s, t, _, _ in pieces]
     tier.reads.clear()
     together = [o.decoded() for o in store.open_run(lm, pieces)]
-    assert tier.reads == keys and len(together) == len(one_by_one) == 5
+    assert sorted(tier.reads) == sorted(keys) and len(together) == len(one_by_one) == 5
     for a, b in zip(together, one_by_one):
         assert all(torch.equal(x["keys"], y["keys"]) for la, lb in zip(a.layers, b.layers) for x, y in zip(la.heads, lb.heads))
     tier.delete(keys[2])
     tier.reads.clear()
     got = list(store.open_run(lm, pieces))
-    assert [g is not None for g in got] == [True, True, False] and tier.reads == keys[:3]
+    assert [g is not None for g in got] == [True, True, False]
+    assert sorted(tier.reads) == sorted(keys[:2 + READ_AHEAD])  # the miss's piece and those read ahead of it

@@ -23,7 +23,7 @@ import copy
 import threading
 import time
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -38,6 +38,7 @@ from kvmem.store.keys import chunk_keys, namespace, span_key
 from kvmem.store.tiers import NodeDown, Tier, parse_stack
 
 FORMAT = 1  # the chunk header's layout
+READ_AHEAD = 2  # pieces whose bytes `open_run` reads at once ahead of the one being checked
 
 
 class StoreWarning(UserWarning):
@@ -248,21 +249,22 @@ class ChunkStore:
         return self._opened(lm, key, start, tokens, compression, exact, views, blob, tier, time.perf_counter() - t0)
 
     def open_run(self, lm, pieces: list[tuple], views: bool = False) -> Iterator[Opened | None]:
-        """`open` of each piece, `(key, start, tokens, compression, exact)`, in order, reading the next piece's bytes in
-        a thread while this one's header is checked (the GIL is released while a disk or Redis read's bytes arrive).
-        Each Opened's `read_s` is the time spent waiting for its bytes. A caller stops at the first None; what was read
-        ahead for the piece after it is the only read wasted."""
+        """`open` of each piece, `(key, start, tokens, compression, exact)`, in order, reading the next `READ_AHEAD`
+        pieces' bytes in threads while this one's header is checked (the GIL is released while a disk or Redis read's
+        bytes arrive, and two reads fault in their fresh buffers on both cores). Each Opened's `read_s` is the time spent
+        waiting for its bytes. A caller stops at the first None; what was read ahead past it is the only read wasted."""
         def read(key: str) -> tuple:
             t = time.perf_counter()
             return (*self.get_bytes(key), t)
 
-        with ThreadPoolExecutor(1, thread_name_prefix="kvmem-read") as pool:
-            ahead = pool.submit(read, pieces[0][0]) if pieces else None
+        with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="kvmem-read") as pool:
+            ahead = deque(pool.submit(read, piece[0]) for piece in pieces[:READ_AHEAD])
             for i, (key, start, tokens, compression, exact) in enumerate(pieces):
                 t0 = time.perf_counter()
-                blob, tier, began = ahead.result()
+                blob, tier, began = ahead.popleft().result()
                 waited = time.perf_counter() - max(t0, began)
-                ahead = pool.submit(read, pieces[i + 1][0]) if blob is not None and i + 1 < len(pieces) else None
+                if blob is not None and i + READ_AHEAD < len(pieces):
+                    ahead.append(pool.submit(read, pieces[i + READ_AHEAD][0]))
                 got = self._opened(lm, key, start, tokens, compression, exact, views, blob, tier, waited)
                 yield got
                 if got is None:
