@@ -7,7 +7,7 @@ from kvmem.cache import KVCache
 from kvmem.reuse import prefill
 from kvmem.store import ChunkStore, store as storemod
 from kvmem.store.tiers import DiskTier
-from kvmem_bench.reuse.runner import _document, QUESTIONS, _drop_page_cache, _raw_read_s
+from kvmem_bench.reuse.runner import _document, QUESTIONS, _drop_page_cache
 lm = load_model("smollm2-135m")
 doc, _ = _document(lm, 8192)
 q1, q2 = (lm.tokenizer(q, add_special_tokens=False).input_ids for q in QUESTIONS)
@@ -22,6 +22,4 @@ for i in range(5):
         _, r = prefill(lm, KVCache(lm.model.config), doc + q2, store, context_end=len(doc))
         dt = time.perf_counter() - t; res[d].append((dt, r.read_s))
         print(d, f"{dt:.3f} read {r.read_s:.3f} wait {r.wait_s:.3f}", flush=True)
-import os
-keys = [k for k in os.listdir(tmp)]
 print({d: (round(statistics.median(x[0] for x in v), 3), round(statistics.median(x[1] for x in v), 3)) for d, v in res.items()})

@@ -1,5 +1,5 @@
 # Diagnostic behind a number in the README (reuse, layer-wise pipelining). Run: PYTHONPATH=bench .venv/bin/python results/reuse/diagnostics/redis_pairs.py
-import gc, time, sys, os, torch, statistics
+import gc, time, os, torch, statistics
 torch.set_num_threads(1)
 from kvmem.models import load_model
 from kvmem.cache import KVCache
