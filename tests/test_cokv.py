@@ -58,7 +58,7 @@ def test_allocation_caps_heads_at_what_they_hold_and_gives_the_rest_away():
     assert flat[1] < flat[4] < flat[5] < flat[3]  # the others in the order of their values
     tiny = cokv.cokv_counts({0: [5, 5]}, {0: [1, 1]}, {0: torch.tensor([1.0, 0.0])})  # a few-token context
     assert tiny == {0: [1, 1]}  # every head keeps at least one token, and the total still holds
-    assert allocate("cokv", {0: [torch.rand(5), torch.rand(5)]}, {0: [1, 1]}, 1, {0: torch.tensor([1.0, 0.0])}) == tiny
+    assert allocate("cokv", {0: [torch.rand(5), torch.rand(5)]}, {0: [1, 1]}, range(1), {0: torch.tensor([1.0, 0.0])}) == tiny
 
 
 def test_slice_is_the_references_eighths():

@@ -239,14 +239,14 @@ def test_pyramid_budget_shrinks_with_depth_and_keeps_the_total():
 
     scores = {layer: [torch.rand(1000) for _ in range(3)] for layer in range(30)}
     shares = {layer: [250] * 3 for layer in range(30)}
-    counts = allocate("pyramid", scores, shares, 30)
+    counts = allocate("pyramid", scores, shares, range(30))
     per_layer = [counts[layer][0] for layer in range(30)]
     assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] > 2 * per_layer[-1]
     assert abs(per_layer[-1] - 250 / 20) <= 2  # the top layer keeps about share / beta
     assert 30 * 250 - 1 <= sum(per_layer) <= 30 * 250  # the mean is the uniform share, never more
-    high = allocate("pyramid", scores, {layer: [800] * 3 for layer in range(30)}, 30)
+    high = allocate("pyramid", scores, {layer: [800] * 3 for layer in range(30)}, range(30))
     assert high[0] == [1000] * 3 and 30 * 800 - 1 <= sum(c[0] for c in high.values()) <= 30 * 800  # capped by a head's rows
-    tiny = allocate("pyramid", {layer: [torch.rand(2)] for layer in range(30)}, {layer: [1] for layer in range(30)}, 30)
+    tiny = allocate("pyramid", {layer: [torch.rand(2)] for layer in range(30)}, {layer: [1] for layer in range(30)}, range(30))
     assert [c[0] for c in tiny.values()] == [1] * 30  # a one-token share: one token everywhere, not more
 
 
@@ -254,10 +254,10 @@ def test_global_budget_pools_layers_and_heads():
     from kvmem.compress.budget import allocate
 
     scores = {0: [torch.full((100,), 5.0), torch.zeros(100)], 1: [torch.ones(100), torch.zeros(100)]}
-    counts = allocate("global", scores, {0: [50, 50], 1: [50, 50]}, 2)
+    counts = allocate("global", scores, {0: [50, 50], 1: [50, 50]}, range(2))
     assert counts == {0: [100, 1], 1: [98, 1]}  # the top 200 scores, and at least one token per head
     # layers left whole (keep ratio 1, sliding=keep) are not in the pool; layer by layer is refused up front
-    assert allocate("global", {0: scores[0]}, {0: [50, 50]}, 2) == {0: [99, 1]}
+    assert allocate("global", {0: scores[0]}, {0: [50, 50]}, range(2)) == {0: [99, 1]}
     from kvmem.compress import Compressor
 
     for spec in ("knorm:budget=global", "knorm:budget=duo", "knorm:budget=razor"):
@@ -271,13 +271,13 @@ def test_duo_budget_gives_retrieval_heads_everything_and_shares_the_rest():
     scores = {layer: [torch.rand(1000) for _ in range(2)] for layer in range(3)}
     shares = {layer: [300, 300] for layer in range(3)}  # 1800 tokens in all
     probe = {0: torch.tensor([0.0, 0.9]), 1: torch.tensor([0.5, 0.0]), 2: torch.tensor([0.1, 0.2])}
-    counts = allocate("duo", scores, shares, 3, probe)
+    counts = allocate("duo", scores, shares, range(3), probe)
     assert counts[0][1] == 1000  # the best retrieval head keeps everything
     assert counts[1][0] < 1000  # a second full head (2000 tokens) does not fit the 1800
     streaming = [counts[layer][h] for layer in range(3) for h in range(2) if (layer, h) != (0, 1)]
     assert len(set(streaming)) == 1 and streaming[0] == (1800 - 1000) // 5 >= STREAMING_MIN
     assert sum(map(sum, counts.values())) <= 1800
-    none = allocate("duo", scores, shares, 3, {layer: torch.zeros(2) for layer in range(3)})
+    none = allocate("duo", scores, shares, range(3), {layer: torch.zeros(2) for layer in range(3)})
     assert none == {layer: [300, 300] for layer in range(3)}  # no head ever retrieves: an even split
 
 

@@ -79,12 +79,12 @@ class KVCache(Cache):
             if not quant.ready:
                 raise KVMemError(f"{quant.spec} is fitted per model: make it with kvmem.quant.get_scheme("
                                  f"'{quant.spec}', lm) or use kvmem.new_cache(lm, ..., quant='{quant.spec}')")
-        if compressor is not None:
-            compressor = compressor.bind(n_layers)  # its state belongs to this cache; budgets depend on the depth
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
         unknown = set(layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
             raise KVMemError(f"unsupported attention layer types {sorted(unknown)}")
+        if compressor is not None:  # its state belongs to this cache; budgets depend on the layers it compresses
+            compressor = compressor.bind([t == "sliding_attention" for t in layer_types[:n_layers]])
         layers = [
             KVLayer(text.sliding_window if t == "sliding_attention" else None, observe_window, track_attention, i,
                     compressor, quant.for_layer(i) if quant is not None else None, attention_decay)

@@ -14,6 +14,9 @@ expected-attention).
   reference implementation, KVCache-Factory, without its observation-window term: kvmem's scorers that
   have a window keep it through their scores). kvmem gives each layer one token first and shapes the
   rest, rounded cumulatively: the layers' total never exceeds the shares, even for a few-token context.
+  The slope spans the layers the method compresses: with `sliding=keep` on Gemma-3, its 3 global layers, not
+  all 18 (spanning all 18 left the global layers 0.35 / 0.18 / 0.01 of their rows at keep 0.25, 72 % of the
+  budget, and put the steepest drop between layers that keep everything).
 * `global` (KVzip, Kim et al. 2025, arXiv 2505.23416): one threshold over every head of every layer, so
   layers and heads keep what their scores earn. Needs the whole cache at once.
 * `duo` (DuoAttention, Xiao et al. 2024, arXiv 2410.10819): retrieval heads keep everything, the other
@@ -44,6 +47,7 @@ expected-attention).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -60,9 +64,11 @@ ADAPTIVE_FLOOR = 0.2
 PYRAMID_BETA = 20
 
 
-def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, list[int]], n_layers: int,
+def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, list[int]], spanned: Sequence[int],
              head_scores: dict[int, Tensor] | None = None, aligned: dict[int, bool] | None = None) -> dict[int, list[int]]:
-    """Tokens each head keeps: {layer: [count per KV head]} for the layers in `scores`. `head_scores` ranks
+    """Tokens each head keeps: {layer: [count per KV head]} for the layers in `scores`. `spanned`: the layers the
+    method compresses, in order (every layer, or the global ones when sliding layers are kept whole): `pyramid`
+    shapes its slope over them, so that their mean is the share. `head_scores` ranks
     heads for `duo` and `razor` (their probe's retrieval scores per layer) and sizes them for `cokv` (their fitted
     values); `aligned` says which layers' heads hold
     the same tokens in the same order (`prefixkv` averages their scores per token there)."""
@@ -71,7 +77,9 @@ def allocate(budget: str, scores: dict[int, list[Tensor]], shares: dict[int, lis
     if budget == "adaptive":
         return {layer: _pool(scores[layer], shares[layer], ADAPTIVE_FLOOR) for layer in scores}
     if budget == "pyramid":
-        return {layer: _pyramid(shares[layer], [s.numel() for s in scores[layer]], layer, n_layers) for layer in scores}
+        spanned = list(spanned)
+        return {layer: _pyramid(shares[layer], [s.numel() for s in scores[layer]], spanned.index(layer), len(spanned))
+                for layer in scores}
     if budget in PROBES:
         return _retrieval_heads_first(scores, shares, head_scores, reserve=1 if budget == "razor" else 0)
     if budget == "global":
@@ -98,7 +106,8 @@ def _pool(scores: list[Tensor], shares: list[int], floor_fraction: float) -> lis
 
 
 def _pyramid(shares: list[int], sizes: list[int], layer: int, n_layers: int) -> list[int]:
-    """Per head: one token, plus the rest of the share shaped as a pyramid over the layers (top = rest/beta,
+    """Per head of the `layer`-th of `n_layers` spanned layers: one token, plus the rest of the share shaped as a
+    pyramid over the layers (top = rest/beta,
     mean = rest), rounded cumulatively over the layers, so that every layer gets at least one token and the
     layers together never exceed their shares, while each layer is still computed on its own."""
     out = []

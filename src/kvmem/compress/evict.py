@@ -32,6 +32,12 @@ class CompressionResult:
         return self.kv_bytes_after / self.kv_bytes_before if self.kv_bytes_before else 1.0
 
 
+def spanned_layers(method: Method, sliding: Sequence[bool]) -> list[int]:
+    """The layers `method` compresses, of a model whose layers are sliding-window or not as `sliding` says: all of
+    them, or the others when it leaves sliding layers whole (`sliding=keep`). Per-layer budgets span these."""
+    return [i for i, s in enumerate(sliding) if not (s and method.sliding == "keep")]
+
+
 def check_keep_ratio(keep_ratio: float | Sequence[float], n_layers: int) -> list[float]:
     ratios = [float(keep_ratio)] * n_layers if isinstance(keep_ratio, (int, float)) else [float(r) for r in keep_ratio]
     if len(ratios) != n_layers:
@@ -140,13 +146,13 @@ def compress(
         if method.budget in HEAD_SCORED:
             probe = cokv_values(context.lm) if method.budget == "cokv" else retrieval_scores(context.lm, PROBES[method.budget])
             head_scores = {i: probe[f"layer.{i}"] for i in layers}
-        evict(layers, views, scores, method, {i: ratios[i] for i in layers}, len(cache.layers), protect_from,
+        evict(layers, views, scores, method, {i: ratios[i] for i in layers}, spanned_layers(method, [layer.is_sliding for layer in cache.layers]), protect_from,
               head_scores, prompt_ends, cap)
     return CompressionResult(before[0], cache.kv_bytes(), before[1], sum(map(sum, cache.tokens_held())))
 
 
 def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: dict[int, list[Tensor]], method: Method,
-          ratios: dict[int, float], n_layers: int, protect_from: int | None = None,
+          ratios: dict[int, float], spanned: Sequence[int], protect_from: int | None = None,
           head_scores: dict[int, Tensor] | None = None, protect_before: dict[int, int] | None = None,
           cap: int | None = None) -> None:
     """Budget and evict: each head keeps its allocated number of compressible tokens, chosen by
@@ -169,7 +175,7 @@ def evict(layers: dict[int, KVLayer], views: dict[int, list[HeadView]], scores: 
                       for h, n, (lo, hi) in zip(heads, sizes[i], spans[i])) for i, heads in views.items()}
     compressible = {i: [s[lo:hi] for s, (lo, hi) in zip(scores[i], spans[i])] for i in views}
     counts = method.counts(compressible, shares) if method.budgets == () else \
-        allocate(method.budget, compressible, shares, n_layers, head_scores, aligned)
+        allocate(method.budget, compressible, shares, spanned, head_scores, aligned)
     # a razor compensation token takes a slot of its head's share; when the shares leave none (a context of a few
     # tokens, every head at its one-row minimum) no compensation token is added, so the budget still holds
     compensate = method.budget == "razor" and sum(
@@ -258,21 +264,22 @@ class Compressor:
             raise KVMemError(f"method {method.spec!r} keeps decode_budget={method.decode_budget} generated rows; "
                              f"extra_rows={extra_rows} says otherwise: give one of them")
         self.method, self.keep_ratio, self.every, self.extra_rows = method, keep_ratio, every, extra_rows
-        self.n_layers = 0  # set by bind()
+        self.spanned: list[int] = []  # set by bind(): the layers the method compresses
         self._budget: dict[int, int] = {}  # layer -> max tokens per head after the prefill
         self._steps: dict[int, int] = {}
 
-    def bind(self, n_layers: int) -> "Compressor":
-        """A fresh copy for one cache of a model with `n_layers` layers (the state is per cache)."""
+    def bind(self, sliding: Sequence[bool]) -> "Compressor":
+        """A fresh copy for one cache whose layers are sliding-window or not as `sliding` says (the state is per
+        cache)."""
         bound = Compressor(self.method, self.keep_ratio, self.every, self.extra_rows)
-        bound.n_layers = n_layers
+        bound.spanned = spanned_layers(self.method, sliding)
         return bound
 
     def _compress(self, layer: KVLayer, layer_idx: int, ratio: float, prompt_end: int | None = None,
                   cap: int | None = None) -> None:
         views = {layer_idx: head_views(layer, layer_idx)}
         evict({layer_idx: layer}, views, {layer_idx: self.method.score_layer(views[layer_idx])}, self.method,
-              {layer_idx: ratio}, self.n_layers, protect_before=None if prompt_end is None else {layer_idx: prompt_end},
+              {layer_idx: ratio}, self.spanned, protect_before=None if prompt_end is None else {layer_idx: prompt_end},
               cap=cap)
 
     def _compress_generated(self, layer: KVLayer, layer_idx: int) -> None:
@@ -317,7 +324,7 @@ def compress_while_decoding(cache: KVCache, method: Method, keep_ratio: float,
     if not seen.track_attention or seen.decay != method.attention_decay:
         raise KVMemError(f"method {method.spec!r} scores rows by attention decayed by {method.attention_decay:g} per step; "
                          "this cache does not track it (make it with kvmem.generate.new_cache(lm, method))")
-    compressor = Compressor(method, keep_ratio, every=1).bind(len(cache.layers))
+    compressor = Compressor(method, keep_ratio, every=1).bind([layer.is_sliding for layer in cache.layers])
     for i, layer in enumerate(cache.layers):
         layer.compressor = compressor
         layer.observation.prompt_end = layer.next_position if prompt_end is None else prompt_end
