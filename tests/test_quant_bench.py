@@ -100,13 +100,23 @@ def test_report_from_records(tmp_path):
                                                       ("kivi-2", "full", 1.0, "kivi-2", 1.0, 300)):
             recs.append(dict(part="tasks", model="m2", length=64, task="t", sample=i, cell=cell, method=method,
                              keep_ratio=ratio, scheme=scheme, score=score, output="", kv_bytes=b, kv_bytes_full=1000))
+        # the aware setting: its own table, never in the agnostic one's cells, its frontier or its target
+        for cell, method, ratio, scheme, score, b in ((FULL, "full", 1.0, FULL, 1.0, 1100),
+                                                      ("keydiff@0.25 + kivi-2", "keydiff", 0.25, "kivi-2", 0.0, 95)):
+            recs.append(dict(part="tasks", model="m", length=64, task="t", sample=i, setting="aware", cell=cell,
+                             method=method, keep_ratio=ratio, scheme=scheme, score=score, output="", kv_bytes=b,
+                             kv_bytes_full=1100))
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     summary = write_report(out)
     row = next(r for r in summary["ppl"] if r["scheme"] == "kivi-2")
     assert row["delta_pct"][0] == pytest.approx(100 * (math.exp(0.02) - 1)) and row["factor"] == 10.0
-    tasks = {r["cell"]: r for r in task_rows(recs) if r["model"] == "m"}
+    tasks = {r["cell"]: r for r in task_rows(recs) if r["model"] == "m" and r["setting"] == "agnostic"}
     assert tasks["kivi-2"]["vs_full"][2] < 0  # 0.5 below the full cache, significant on 12 samples
+    assert tasks["keydiff@0.25 + kivi-2"]["score"][0] == 1.0 and tasks[FULL]["n"] == 12
+    aware = {r["cell"]: r for r in task_rows(recs) if r["model"] == "m" and r["setting"] == "aware"}
+    assert aware["keydiff@0.25 + kivi-2"]["score"][0] == 0.0 and aware["keydiff@0.25 + kivi-2"]["vs_full"][0] == -1.0
     report = (out / "report.md").read_text()
+    assert "**m @ 64 tokens**, aware" in report and "**m @ 64 tokens**, agnostic" in report
     assert "keydiff@0.25 + kivi-2 ★" in report and "| kivi-2 | 12 |" in report and "kivi-2 ★" not in report.replace(
         "keydiff@0.25 + kivi-2 ★", "")
     assert (out / "frontier.png").exists() and ppl_rows(recs)[0]["scheme"] == FULL

@@ -322,13 +322,19 @@ def test_targets_judge_the_agnostic_share_and_the_race_with_bytes():
     assert "m @ 1024 agnostic 0.25: good − knorm" in text and "(kvmem's best scores lower, not fewer bytes)" in text
     assert "met in 0 of 2" in text  # both settings
 
-    # the quant suite's records of kvmem's best with a scheme on top (agnostic only): kivi-4 meets the cell with
+    # the quant suite's records of kvmem's best with a scheme on top (agnostic): kivi-4 meets the cell with
     # fewer bytes; transformers' own caches (hf-*) are not kvmem's and never count, even scoring higher
     quant = [dict(r, part="tasks", scheme=scheme, kv_bytes=100) for scheme, p in (("kivi-4", 0.95), ("hf-fp8", 1.0))
              for r in records({"good": {0.25: p}}) if r["setting"] == "agnostic"]
     text = "\n".join(target_lines(rows, press_rows, kvmem, press, usable, quant))
     assert "with kivi-4 on top (results/quant, n=30)" in text
     assert "hf-" not in text and "met in 1 of 2" in text and "counting kvmem's best with its best-scoring quantization" in text
+    # each setting's cell counts only that setting's quant records (the suite ran agnostic alone before aware)
+    aware = [dict(r, part="tasks", scheme="kivi-4", kv_bytes=100) for r in records({"good": {0.25: 0.95}})
+             if r["setting"] == "aware"]
+    assert "met in 2 of 2" in "\n".join(target_lines(rows, press_rows, kvmem, press, usable, quant + aware))
+    unlabelled = [{k: v for k, v in r.items() if k != "setting"} for r in quant]  # records before it had settings
+    assert "met in 1 of 2" in "\n".join(target_lines(rows, press_rows, kvmem, press, usable, unlabelled))
     usable_two = {("m", 1024): ["easy", "other"]}  # a quant run that has not reached every usable task does not count
     text = "\n".join(target_lines(rows, press_rows, kvmem, press, usable_two, quant))
     assert "with kivi-4 on top" not in text and "met in 0 of 2" in text

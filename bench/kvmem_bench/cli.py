@@ -73,7 +73,7 @@ def eval_(
     layers: str = typer.Option("-1", help="retrieval: comma-separated hidden layers for the LLM embedders (-1 = last), or 'all'."),
     limit: Optional[int] = typer.Option(None, help="retrieval: only the first N queries (for a quick run)."),
     raw_prompt: bool = typer.Option(False, help="longctx: no chat template, plain text prompts (base models)."),
-    eval_settings: str = typer.Option("agnostic,aware", "--settings", help="longctx: comma-separated settings, agnostic and/or aware (the latter doubles a sample's cost)."),
+    eval_settings: Optional[str] = typer.Option(None, "--settings", help="longctx: comma-separated settings, agnostic and/or aware (the latter doubles a sample's cost; default both); quant: the tasks part's (default agnostic)."),
     quant: Optional[str] = typer.Option(None, help="quant: comma-separated schemes (kvmem's and hf-* baselines; default: all)."),
     cross: Optional[str] = typer.Option(None, help="quant: comma-separated schemes crossed with the eviction methods in the tasks part (default: all of --quant but HF's and 8-bit)."),
     parts: str = typer.Option(PARTS_DEFAULT, help="quant: which parts to run (ppl, decode, tasks); longgen: copy, ppl; reuse: ttft, tasks, semantic, semshare (SemShareKV vs token recycling; not in the default), codec-frontier (bytes vs Δppl of CacheGen settings; not in the default); serve: store_on, store_off, soak, replicas, batching, cluster_replicas, cluster_soak; batching: sweep, memory, steps; kvdirect: decode, growth (default all)."),
@@ -193,7 +193,8 @@ def eval_(
                           length=length, texts=texts, decode_length=length, task_length=length, task_samples=samples,
                           task_ratios=_csv(ratios, float), out=out or Path("results/quant"),
                           **({"task_methods": _csv(methods)} if methods else {}),
-                          **({"task_schemes": _csv(cross)} if cross else {}))
+                          **({"task_schemes": _csv(cross)} if cross else {}),
+                          task_settings=tuple(_csv(eval_settings or "agnostic")))
         path = run_quant(cfg, log=console.print)
         console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")
         return
@@ -208,7 +209,7 @@ def eval_(
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),
         methods=_csv(methods) if methods else [m for m in METHODS if not METHODS[m].decode_phase],
         ratios=_csv(ratios, float), samples=samples, seed=seed, out=out, raw_prompt=raw_prompt,
-        settings=tuple(_csv(eval_settings)),
+        settings=tuple(_csv(eval_settings or "agnostic,aware")),
     )
     path = run(cfg)
     console.print(f"wrote {path / 'results.json'} and {path / 'report.md'}")

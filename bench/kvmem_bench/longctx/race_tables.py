@@ -91,15 +91,15 @@ FEWER_BYTES = 0.01  # "fewer bytes" means at least this fraction fewer
 
 def quantized_alternative(quant: list[dict], press: Scores, best: dict, setting: str, tasks: set[str]) -> dict | None:
     """kvmem's best race method with a quantization scheme on top (the quant suite's task records: the same samples,
-    agnostic, each cell compressing then quantizing its own copy), against kvpress's best on the samples both ran.
-    The scheme with the highest score is taken (fewer bytes breaks ties); None when there is none to pair on samples
-    of every usable task."""
+    in the same setting, each cell compressing then quantizing its own copy), against kvpress's best on the samples
+    both ran. The scheme with the highest score is taken (fewer bytes breaks ties); None when there is none to pair
+    on samples of every usable task."""
     k, p = best["kvmem"], best["kvpress"]
-    if setting != "agnostic":  # the quant suite runs the agnostic setting only
-        return None
     cells: dict[str, dict[tuple, dict]] = defaultdict(dict)
     for r in quant:
         if r.get("part") != "tasks" or r["scheme"] == "full" or r["scheme"].startswith("hf-"):  # hf-*: transformers' caches
+            continue
+        if r.get("setting", "agnostic") != setting:  # records before the quant suite ran aware were all agnostic
             continue
         if (r["model"], r["length"], r["method"], r["keep_ratio"]) == (best["model"], best["length"], k["method"],
                                                                       best["keep_ratio"]) and r["task"] in tasks:

@@ -11,12 +11,13 @@ Three parts, each resumable from OUT/records.jsonl (a record is written as soon 
 * `decode`: ms per decoded token on a `decode_length` context, every cache fed the same token in rotating
   order (drift hits all alike); ratios per step to kvmem's full-precision cache and to HF's QuantizedCache
   at the same bits (geometric mean with a bootstrap CI). Goal: no slower than HF's at the same bits.
-* `tasks`: the long-context suite's usable tasks (same samples and scoring as `results/longctx`, agnostic
-  setting), each sample prefilled once at full precision; every (eviction method, keep ratio, scheme) cell
+* `tasks`: the long-context suite's usable tasks (same samples and scoring as `results/longctx`; agnostic
+  setting, and aware with `--settings aware`: the question read before compression and kept, as the suite does;
+  records without a setting are agnostic), each sample prefilled once at full precision; every (eviction method, keep ratio, scheme) cell
   compresses a copy, then quantizes what is kept (MiKV instead demotes what the method would evict), and is
   answered from it. HF's caches are built from the same prefilled rows (the first `update` of its layers
   quantizes them, as its own prefill would). This gives the task table and the eviction x quantization
-  frontier (score against bytes held; points at >= 10x fewer bytes marked).
+  frontier (score against bytes held; points at >= 10x fewer bytes marked; both agnostic only).
 """
 
 # transformers' QuantizedCache settings beside ours: its defaults, the KIVI-like axes the issue measured, fp8.

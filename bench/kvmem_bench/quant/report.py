@@ -134,10 +134,10 @@ def task_rows(records: list[dict]) -> list[dict]:
     cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     for r in records:
         if r["part"] == "tasks":
-            cells[(r["model"], r["length"], r["cell"])][(r["task"], r["sample"])] = r
+            cells[(r["model"], r["length"], r.get("setting", "agnostic"), r["cell"])][(r["task"], r["sample"])] = r
     rows = []
-    for (model, length, cell), got in sorted(cells.items()):
-        full = cells.get((model, length, FULL), {})
+    for (model, length, setting, cell), got in sorted(cells.items()):
+        full = cells.get((model, length, setting, FULL), {})
         keys = sorted(got)
         iv = bootstrap_mean([got[k]["score"] for k in keys], strata=[k[0] for k in keys])
         common = sorted(set(got) & set(full))
@@ -147,7 +147,7 @@ def task_rows(records: list[dict]) -> list[dict]:
         first = got[keys[0]]
         held = sum(got[k]["kv_bytes"] for k in keys) / len(keys)
         whole = sum(got[k]["kv_bytes_full"] for k in keys) / len(keys)
-        rows.append(dict(model=model, length=length, cell=cell, method=first["method"], keep_ratio=first["keep_ratio"],
+        rows.append(dict(model=model, length=length, setting=setting, cell=cell, method=first["method"], keep_ratio=first["keep_ratio"],
                          scheme=first["scheme"], n=len(keys), tasks=sorted({k[0] for k in keys}), score=tuple(iv),
                          vs_full=tuple(diff) if diff else None, full_score=full_iv.estimate if full_iv else None,
                          kv_bytes=held, kv_bytes_full=whole, factor=whole / held))
@@ -161,10 +161,10 @@ def _meets(r: dict) -> bool:
 
 def task_table(rows: list[dict]) -> list[str]:
     lines = []
-    for model, length in sorted({(r["model"], r["length"]) for r in rows}):
-        sub = [r for r in rows if (r["model"], r["length"]) == (model, length)]
+    for model, length, setting in sorted({(r["model"], r["length"], r["setting"]) for r in rows}):
+        sub = [r for r in rows if (r["model"], r["length"], r["setting"]) == (model, length, setting)]
         tasks = sorted({t for r in sub for t in r["tasks"]})
-        lines += [f"**{model} @ {length} tokens**, agnostic, tasks {', '.join(tasks)} (stratified 95% CIs; ▼/▲: paired "
+        lines += [f"**{model} @ {length} tokens**, {setting}, tasks {', '.join(tasks)} (stratified 95% CIs; ▼/▲: paired "
                   f"difference to the full cache significant, from >= {PAIRED_MIN} common samples; ★: >= {TEN_X:g}x "
                   f"fewer bytes at >= {TASK_SHARE:.0%} of the full score)", "",
                   "| cache | n | score | − full (paired) | KV MiB held | fewer bytes |", "|---|---|---|---|---|---|"]
@@ -187,6 +187,9 @@ def frontier_plot(rows: list[dict], out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["setting"] == "agnostic"]  # the frontier and its target are the agnostic setting's
+    if not rows:
+        return None
     keys = sorted({(r["model"], r["length"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(7 * len(keys), 5), squeeze=False)
     for ax, key in zip(axes[0], keys):
@@ -232,6 +235,7 @@ def target_lines(ppl: list[dict], decode: list[dict], tasks: list[dict]) -> list
 
     lines += [ppl_target(4, 0.5), ppl_target(2, 5.0)]
     per_model = []
+    tasks = [r for r in tasks if r["setting"] == "agnostic"]  # the target is the agnostic setting's
     for key in sorted({(r["model"], r["length"]) for r in tasks}):
         sub = [r for r in tasks if (r["model"], r["length"]) == key]
         hits = [r for r in sub if _meets(r)]

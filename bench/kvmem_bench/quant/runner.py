@@ -39,6 +39,8 @@ class QuantConfig:
     task_methods: list[str] = field(default_factory=lambda: ["kvzip"])
     task_ratios: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.1])
     task_schemes: list[str] | None = None  # schemes crossed with eviction (default: all but HF's and 8-bit)
+    # the long-context suite's settings the tasks run in; aware: the question is read before compression and kept
+    task_settings: tuple[str, ...] = ("agnostic",)
     bench: Path = Path("results/longctx")  # the suite whose usable tasks are used
     out: Path = Path("results/quant")
 
@@ -53,6 +55,8 @@ class QuantConfig:
         if self.chunk < 1 or self.length < 2 * self.chunk or self.texts < 1:
             raise KVMemError(f"perplexity needs texts >= 1 of at least two chunks; got {self.texts} x {self.length} "
                              f"tokens in chunks of {self.chunk}")
+        if not self.task_settings or set(self.task_settings) - {"agnostic", "aware"}:
+            raise KVMemError(f"task settings must be agnostic and/or aware; got {','.join(self.task_settings) or 'none'}")
         for r in self.task_ratios:
             if not 0.0 < r <= 1.0:
                 raise KVMemError(f"keep ratio must be in (0, 1]; got {r}")
@@ -150,8 +154,7 @@ def answer_hf(lm, cache, question: list[int], sample) -> list[int]:
 def run_tasks(lm, model: str, cfg: QuantConfig, done: set, prepared: dict, log=print) -> None:
     from kvmem_bench.longctx.runner import prefill_sample
     from kvmem_bench.longctx.race import usable_swept_tasks
-    from kvmem_bench.longctx.tasks import make_samples, score
-    from kvmem.generate import answer_batch
+    from kvmem_bench.longctx.tasks import make_samples
 
     tasks = usable_swept_tasks(cfg.bench / "records.jsonl").get((model, cfg.task_length), [])
     if not tasks:
@@ -162,41 +165,57 @@ def run_tasks(lm, model: str, cfg: QuantConfig, done: set, prepared: dict, log=p
     for task in tasks:
         samples = make_samples(task, lm.tokenizer, cfg.task_length, cfg.task_samples)
         for i, sample in enumerate(samples):
-            todo = [c for c in cells if ("tasks", model, cfg.task_length, task, i, cell_label(*c)) not in done]
+            todo = {setting: [c for c in cells if ("tasks", model, cfg.task_length, task, i, cell_label(*c), setting)
+                              not in done] for setting in cfg.task_settings}
+            todo = {setting: cs for setting, cs in todo.items() if cs}
             if not todo:
                 continue
             t0 = time.perf_counter()
-            pre = prefill_sample(lm, sample, ("agnostic",), track=track)
-            src, full_bytes = pre.sources["agnostic"]
-            context = ModelContext(lm, pre.prompt.context, pre.prompt.head)
-            built, hf = [], []
-            for method, ratio, name in todo:
-                if name in HF_BASELINES:
-                    hf.append(((method, ratio, name), from_rows(lm, src, name, prepared)))
-                    continue
-                cache = src.clone()
-                scheme = None if name == FULL else prepared_scheme(lm, name, prepared)
-                if scheme is not None and _mixed(scheme):
-                    cache.quantize(scheme)
-                if ratio < 1.0:
-                    compress(cache, get_method(method), ratio, context=context)
-                if scheme is not None and not _mixed(scheme):
-                    cache.quantize(scheme)
-                cache.drop_observations()
-                built.append(((method, ratio, name), cache))
-            outs = [(c, toks) for batch in (built[:1], built[1:]) if batch
-                    for c, toks in zip([b[0] for b in batch], answer_batch(
-                        lm, [b[1] for b in batch], pre.prompt.question, sample.max_new_tokens,
-                        stop_at_newline=sample.one_line, answers=sample.answers))]
-            outs += [(c, answer_hf(lm, cache, pre.prompt.question, sample)) for c, cache in hf]
-            bytes_of = {c: held_bytes(cache) for c, cache in built + hf}
-            for c, toks in outs:
-                text = lm.tokenizer.decode(toks)
-                append_record(cfg.out / "records.jsonl", dict(
-                    part="tasks", model=model, length=cfg.task_length, task=task, sample=i, cell=cell_label(*c),
-                    method=c[0], keep_ratio=c[1], scheme=c[2], score=score(sample, text), output=text,
-                    kv_bytes=bytes_of[c], kv_bytes_full=full_bytes))
-            log(f"tasks {model} {task} #{i}: {len(todo)} cells in {time.perf_counter() - t0:.0f} s")
+            pre = prefill_sample(lm, sample, tuple(todo), track=track)
+            for setting, cs in todo.items():
+                _answer_cells(lm, model, cfg, task, i, sample, pre, setting, cs, prepared)
+            log(f"tasks {model} {task} #{i}: {sum(map(len, todo.values()))} cells in {time.perf_counter() - t0:.0f} s")
+
+
+def _answer_cells(lm, model: str, cfg: QuantConfig, task: str, i: int, sample, pre, setting: str, cells: list,
+                  prepared: dict) -> None:
+    """One sample's cells in one setting, each from its own copy of the prefilled cache, as the long-context suite
+    answers (aware: the question's tokens before its last are held and protected, its last is fed to answer)."""
+    from kvmem_bench.longctx.tasks import score
+    from kvmem.generate import answer_batch
+
+    src, full_bytes = pre.sources[setting]
+    aware = setting == "aware"
+    context = ModelContext(lm, pre.prompt.context, pre.prompt.head, question=pre.prompt.question[:-1] if aware else [])
+    question = pre.prompt.question[-1:] if aware else pre.prompt.question
+    built, hf = [], []
+    for method, ratio, name in cells:
+        if name in HF_BASELINES:
+            hf.append(((method, ratio, name), from_rows(lm, src, name, prepared)))
+            continue
+        cache = src.clone()
+        scheme = None if name == FULL else prepared_scheme(lm, name, prepared)
+        if scheme is not None and _mixed(scheme):
+            cache.quantize(scheme)
+        if ratio < 1.0:
+            compress(cache, get_method(method), ratio, protect_from=len(pre.prompt.context) if aware else None,
+                     context=context)
+        if scheme is not None and not _mixed(scheme):
+            cache.quantize(scheme)
+        cache.drop_observations()
+        built.append(((method, ratio, name), cache))
+    outs = [(c, toks) for batch in (built[:1], built[1:]) if batch
+            for c, toks in zip([b[0] for b in batch], answer_batch(
+                lm, [b[1] for b in batch], question, sample.max_new_tokens,
+                stop_at_newline=sample.one_line, answers=sample.answers))]
+    outs += [(c, answer_hf(lm, cache, question, sample)) for c, cache in hf]
+    bytes_of = {c: held_bytes(cache) for c, cache in built + hf}
+    for c, toks in outs:
+        text = lm.tokenizer.decode(toks)
+        append_record(cfg.out / "records.jsonl", dict(
+            part="tasks", model=model, length=cfg.task_length, task=task, sample=i, setting=setting,
+            cell=cell_label(*c), method=c[0], keep_ratio=c[1], scheme=c[2], score=score(sample, text), output=text,
+            kv_bytes=bytes_of[c], kv_bytes_full=full_bytes))
 
 
 # -- the run -------------------------------------------------------------------------------------------
@@ -208,7 +227,7 @@ def _done(records: list[dict]) -> set:
         elif r["part"] == "decode":
             keys.add(("decode", r["model"], r["scheme"], r["length"]))
         else:
-            keys.add(("tasks", r["model"], r["length"], r["task"], r["sample"], r["cell"]))
+            keys.add(("tasks", r["model"], r["length"], r["task"], r["sample"], r["cell"], r.get("setting", "agnostic")))
     return keys
 
 
