@@ -146,8 +146,9 @@ def compress(
         if method.budget in HEAD_SCORED:
             probe = cokv_values(context.lm) if method.budget == "cokv" else retrieval_scores(context.lm, PROBES[method.budget])
             head_scores = {i: probe[f"layer.{i}"] for i in layers}
-        evict(layers, views, scores, method, {i: ratios[i] for i in layers}, spanned_layers(method, [layer.is_sliding for layer in cache.layers]), protect_from,
-              head_scores, prompt_ends, cap)
+        spanned = spanned_layers(method, [layer.is_sliding for layer in cache.layers])
+        evict(layers, views, scores, method, {i: ratios[i] for i in layers}, spanned, protect_from, head_scores,
+              prompt_ends, cap)
     return CompressionResult(before[0], cache.kv_bytes(), before[1], sum(map(sum, cache.tokens_held())))
 
 
