@@ -65,6 +65,18 @@ def wait_idle(server, timeout: float = 30) -> None:
     raise AssertionError("the server did not become idle")
 
 
+def wait_until(server, running: int, waiting: int = 0, timeout: float = 30) -> None:
+    """Poll /health until the server holds these many requests: a fixed sleep races a client thread's first
+    connection on a loaded machine (CI once sent the second request before the first had reached the worker)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = httpx.get(server.url + "/health").json()
+        if h["running"] >= running and h["waiting"] >= waiting:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never held {running} running and {waiting} waiting requests")
+
+
 def system_prompt(n_abstracts: int = 3) -> str:
     return "You answer questions about these research abstracts.\n\n" + "\n\n".join(load_abstracts()[:n_abstracts])
 
@@ -306,7 +318,7 @@ def test_a_request_that_waits_too_long_in_the_queue_gets_504(single):
     busy = threading.Thread(target=lambda: httpx.post(server.url + "/v1/chat/completions", timeout=60,
                                                       json=LONG | {"max_tokens": 40}))
     busy.start()
-    time.sleep(0.5)  # the one worker is taken
+    wait_until(server, running=1)  # the one worker is taken
     r = httpx.post(server.url + "/v1/chat/completions", json=LONG | {"kvmem": {"ignore_eos": True, "timeout": 1}},
                    timeout=60)
     busy.join()
@@ -324,9 +336,9 @@ def test_a_full_queue_answers_429_with_retry_after(single):
                                   json=LONG | {"max_tokens": 60}))
 
     threads = [threading.Thread(target=long_request) for _ in range(2)]  # one runs, one waits: the queue is full
-    for t in threads:
+    for waiting, t in enumerate(threads):
         t.start()
-        time.sleep(0.5)
+        wait_until(server, running=1, waiting=waiting)
     refused = httpx.post(server.url + "/v1/chat/completions", json=LONG | {"max_tokens": 5}, timeout=60)
     for t in threads:
         t.join()
