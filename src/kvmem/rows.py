@@ -153,7 +153,24 @@ class Rows:
         return kernel.decode_attention(query, rows, scaling)
 
 
-class DenseRows(Rows):
+class _OneBuffer(Rows):
+    """Heads kept in one (H, capacity, D) buffer per keys and values and (H, capacity) positions (`k`, `v`, `p`)."""
+
+    k: Tensor
+    v: Tensor
+    p: Tensor
+
+    def kernel_heads(self) -> tuple[list[Tensor], list[Tensor], list[int]]:
+        return (*_head_buffers(self), self.lengths())
+
+    def kv_tensors(self) -> list[Tensor]:
+        return [self.k, self.v]
+
+    def position_tensors(self) -> list[Tensor]:
+        return [self.p]
+
+
+class DenseRows(_OneBuffer):
     """All heads equally long: keys and values in one (H, capacity, D) buffer, positions (H, capacity)."""
 
     def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, n: int, grow: int = GROW):
@@ -182,15 +199,6 @@ class DenseRows(Rows):
             self.p = torch.cat([p, p.new_empty((p.shape[0], spare))], dim=1)
         self.k[:, self.n:self.n + q], self.v[:, self.n:self.n + q], self.p[:, self.n:self.n + q] = keys, values, positions
         self.n += q
-
-    def kernel_heads(self) -> tuple[list[Tensor], list[Tensor], list[int]]:
-        return (*_head_buffers(self), self.lengths())
-
-    def kv_tensors(self) -> list[Tensor]:
-        return [self.k, self.v]
-
-    def position_tensors(self) -> list[Tensor]:
-        return [self.p]
 
 
 class RaggedRows(Rows):
@@ -222,7 +230,7 @@ class RaggedRows(Rows):
         return list(self.p)
 
 
-class PaddedRows(Rows):
+class PaddedRows(_OneBuffer):
     """Heads of different but short lengths (a quantized layer's full-precision residual: under a block or two
     each) in one (H, capacity, D) buffer: a decode step appends to every head in one indexed write, where
     `RaggedRows` writes head by head. The padding (capacity past a head's rows) is held, and counted."""
@@ -260,15 +268,6 @@ class PaddedRows(Rows):
         self.p.view(-1).index_copy_(0, at, positions.expand(heads, q).reshape(-1) if q > 1 else positions.expand(heads))
         self._next += q  # kept between appends: building it cost more than a decode step's copies
         self.n = [n + q for n in self.n]
-
-    def kernel_heads(self) -> tuple[list[Tensor], list[Tensor], list[int]]:
-        return (*_head_buffers(self), self.lengths())
-
-    def kv_tensors(self) -> list[Tensor]:
-        return [self.k, self.v]
-
-    def position_tensors(self) -> list[Tensor]:
-        return [self.p]
 
 
 def empty_rows(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, value_dim: int | None = None,
