@@ -67,6 +67,15 @@ def test_prefixkv_counts_always_kept_tokens_first_and_refuses_signed_scores():
             get_method(f"kvcrush:base={base}")
 
 
+def test_a_global_budget_refuses_signed_scores_which_do_not_compare_across_layers():
+    for signed in ("knorm", "keydiff:kernel_size=33", "q-filters", "kvcrush:base=keydiff"):
+        name = signed.split(":")[0]
+        with pytest.raises(KVMemError, match=f"budget=global.*{name}'s scores .*not comparable across layers"):
+            get_method(f"{signed}:budget=global")
+    for mass in ("snapkv", "h2o", "kvzip", "random"):  # scores on one scale in every layer
+        assert get_method(f"{mass}:budget=global").budget == "global"
+
+
 def kept_positions(cache: KVCache, spec: str, ratio: float) -> list[list[list[int]]]:
     work = cache.clone()
     compress(work, get_method(spec), ratio)

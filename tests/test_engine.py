@@ -190,7 +190,7 @@ def test_sliding_keep_leaves_sliding_layers_whole(tiny_gemma):
     assert get_method("knorm:sliding=keep").spec == "knorm:sliding=keep" and get_method("knorm").spec == "knorm"
     # a whole-cache budget shares among the layers that are compressed (the global ones here)
     _, _, pooled = run_with_cache(tiny_gemma, ctx, new,
-                                  lambda c: compress(c, get_method("knorm:budget=global:sliding=keep"), 0.25))
+                                  lambda c: compress(c, get_method("random:budget=global:sliding=keep"), 0.25))
     held = [sum(map(len, layer)) for layer, s in zip(pooled, sliding) if not s]
     assert sum(held) == sum(math.ceil(0.25 * 40) * c.num_heads for c, s in zip(live.layers, sliding) if not s)
     assert [len(p) for layer, s in zip(pooled, sliding) if s for p in layer] == [window - 1] * sum(
@@ -260,7 +260,7 @@ def test_global_budget_pools_layers_and_heads():
     assert allocate("global", {0: scores[0]}, {0: [50, 50]}, range(2)) == {0: [99, 1]}
     from kvmem.compress import Compressor
 
-    for spec in ("knorm:budget=global", "knorm:budget=duo", "knorm:budget=razor"):
+    for spec in ("random:budget=global", "knorm:budget=duo", "knorm:budget=razor"):
         with pytest.raises(KVMemError, match="compares heads of all layers"):
             Compressor(get_method(spec), 0.3)
 

@@ -73,6 +73,12 @@ def get_method(spec: str, **options) -> Method:
         raise KVMemError(f"budget=prefixkv sizes layers by their share of score mass, and {name}'s scores are "
                          "signed; use it with a scorer of attention mass (h2o, snapkv, tova, vatp, expected-attention, "
                          "kvzip, ...)")
+    if budget == "global" and method.signed_scores:
+        # the scale of a key-geometry score moves with depth: on Gemma-3 8k, keydiff:kernel_size=33:budget=global
+        # gave layer 17 every row and layers 5 and 11 one each, and answered 0 of 30 (README, "Of note")
+        raise KVMemError(f"budget=global ranks the tokens of every layer on one scale, and {name}'s scores (signed, "
+                         "from key geometry) are not comparable across layers; use budget=pyramid or adaptive, or a "
+                         "scorer of attention mass (h2o, snapkv, tova, vatp, expected-attention, kvzip, ...)")
     method.budget, method.sliding, method.options = budget, sliding, options
     return method
 
