@@ -3,6 +3,12 @@ suite's 30 a task do not include, agnostic, keydiff:kernel_size=33:sliding=keep 
 and shaped by PyramidKV over them (`budget=pyramid`). Run: PYTHONPATH=bench .venv/bin/python
 results/longctx/gemma-pyramid-heldout.py 8192 30 40 keydiff:kernel_size=33:sliding=keep,\
 keydiff:kernel_size=33:budget=pyramid:sliding=keep 0.5,0.25,0.1 > results/longctx/gemma-pyramid-heldout.jsonl
+
+The second screen (`gemma-kernel-heldout.jsonl`, which kernel_size to run the suite with, and whether the global
+layers could share one threshold): the same samples, agnostic, methods
+keydiff:kernel_size=33:budget=pyramid:sliding=keep,keydiff:kernel_size=33:budget=global:sliding=keep,\
+keydiff:kernel_size=65:budget=pyramid:sliding=keep,keydiff:kernel_size=17:budget=pyramid:sliding=keep and ratios
+0.25,0.1 (budget=global with keydiff is now refused by `get_method`: see its message).
 """
 import json, sys
 import torch
