@@ -42,7 +42,7 @@ AGNOSTIC_METHODS := kvzip,kvzip-head,expected-attention,expected-attention:budge
 # (README, "Of note"); its `queries=window` form ran the suite and is kept in the records under that name.
 CATALOG_METHODS := vatp,vatp:source=window,dapq,snapkv:budget=prefixkv,fastgen,snapkv:budget=cokv,kvcrush,finch,keyformer,subgen
 METHODS := $(BASE_METHODS),$(AGNOSTIC_METHODS),snapkv:budget=pyramid,streaming-llm:budget=duo,streaming-llm:budget=razor,$(CATALOG_METHODS)
-GEMMA_METHODS := $(METHODS),kvzip:sliding=keep,keydiff:sliding=keep,keydiff:kernel_size=33:sliding=keep,keydiff:kernel_size=33:budget=pyramid:sliding=keep
+GEMMA_METHODS := $(METHODS),kvzip:sliding=keep,keydiff:sliding=keep,keydiff:kernel_size=33:sliding=keep,keydiff:kernel_size=33:budget=pyramid:sliding=keep,keydiff:kernel_size=17:budget=pyramid:sliding=keep
 SUITE := --samples 30 --ratios 1.0,0.5,0.25,0.1 --threads 1 --out results/longctx
 TASKS := fact-single,fact-distractors,fact-profile,niah-single-number,two-hop,qa-cloze
 

@@ -103,6 +103,17 @@ def test_eval_writes_results_report_and_plot(tmp_path):
     added = {(r["task"], r["sample"], r["setting"], r["method"]) for r in again[len(records):]}
     assert {m for *_, m in added} == {"keydiff:budget=pyramid"}
     assert len(added) == 2 * 2 + 2  # 2 samples x 2 settings of fact-single, 2 samples of ppl-next (agnostic)
+    # a method run in one setting first gets the other later, and only that (was: counted done, never run)
+    args = ["eval", "--lengths", "512", "--samples", "2", "--tasks", "fact-single,ppl-next", "--ratios", "1.0,0.5",
+            "--out", str(tmp_path), "--methods", "full,tova"]
+    for settings, want in (("agnostic", {("fact-single", "agnostic"), ("ppl-next", "agnostic")}),
+                           ("agnostic,aware", {("fact-single", "aware")})):
+        before = len(again)
+        assert run(*args, "--settings", settings).exit_code == 0
+        again = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+        new = again[before:]
+        assert {(r["task"], r["setting"]) for r in new} == want and {r["method"] for r in new} == {"tova"}
+        assert len(new) == 2 * len(want)  # 2 samples each, one ratio below 1
     if any(r["task"] == "mean" for r in rows):  # the model answered with its full cache: there is a headline
         assert list(tmp_path.glob("score_vs_kept_*.png"))
 

@@ -34,7 +34,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -215,10 +215,19 @@ def _run_ppl(lm: LoadedModel, ctx: list[int], cont: list[int], methods, ratios) 
     return records
 
 
-def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict[int, list[str]], cfg: EvalConfig,
+class Pending(NamedTuple):
+    """What one sample still lacks: the methods missing from some setting, the settings to prefill for them, and
+    the (setting, method) pairs already recorded (not written again)."""
+
+    methods: list[str]
+    settings: tuple[str, ...]
+    done: set[tuple[str, str]]
+
+
+def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict[int, Pending], cfg: EvalConfig,
               records_path: Path) -> None:
-    """Run the pending samples of one task (sample -> the methods it still lacks), appending each sample's
-    records as it finishes; a method added to the suite later runs on the samples already done.
+    """Run the pending samples of one task, appending each sample's records as it finishes; a method added to the
+    suite later runs on the samples already done, and a setting added later on the methods that lack it.
 
     Screening: the first SCREEN_SAMPLES samples are answered with the full cache first, their prefilled
     caches held. If the full cache averages below SCREEN_STOP on them, the model cannot do this task:
@@ -226,6 +235,7 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
     stamp = dict(kvmem=__version__, commit=git_commit(), threads=torch.get_num_threads())
 
     def write(i: int, recs: list[dict]) -> None:
+        recs = [r for r in recs if (r["setting"], r["method"]) not in pending[i].done]
         lines = "".join(json.dumps(dict(model=model_name, length=L, task=task, sample=i, **r, **stamp)) + "\n" for r in recs)
         fd = os.open(records_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:  # one write of the whole sample: processes running side by side never interleave their lines
@@ -236,8 +246,8 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
     if task in PPL_TASKS:
         pairs = perplexity_text(lm.tokenizer, L - PPL_CONTINUATION - 1, PPL_CONTINUATION, cfg.samples, cfg.seed,
                                 kind=task.split("-", 1)[1])
-        for i, missing in pending.items():
-            write(i, _run_ppl(lm, *pairs[i], missing, cfg.ratios))
+        for i, todo in pending.items():
+            write(i, _run_ppl(lm, *pairs[i], todo.methods, cfg.ratios))
         return
     samples = make_samples(task, lm.tokenizer, L, cfg.samples, cfg.seed)
     full = [r["score"] for r in read_records(records_path) if (r["model"], r["length"], r["task"], r["method"],
@@ -245,14 +255,18 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
     if len(full) >= SCREEN_SAMPLES and sum(full[:SCREEN_SAMPLES]) / SCREEN_SAMPLES < SCREEN_STOP:
         return  # screened out in an earlier run
     held: list[tuple[int, Prefilled, list[dict]]] = []  # screening samples, waiting for the decision
-    for n, (i, missing) in enumerate(pending.items()):
+    for n, (i, (missing, settings, have)) in enumerate(pending.items()):
+        screened = ("agnostic", "full") in have  # its agnostic full-cache answer is what screening reads
+        if not screened and "agnostic" not in settings:
+            raise KVMemError(f"{task} @ {L}, sample {i}: its full-cache agnostic answer is not recorded yet, and "
+                             "screening reads it (whether the model can do the task): run the agnostic setting first")
         sweep = _configs([m for m in missing if m != "full"], cfg.ratios)[1:]
         # tracked only when a method needs it (h2o): a method added later without it gets the cheaper prefill
-        pre = prefill_sample(lm, samples[i], cfg.settings, raw_prompt=cfg.raw_prompt,
+        pre = prefill_sample(lm, samples[i], settings, raw_prompt=cfg.raw_prompt,
                              track=any(get_method(m).needs_attention for m in missing),
                              window=max(get_method(m).observe_window for m in missing))
-        if "full" not in missing:  # screened in an earlier run: only the methods added since
-            write(i, answer_configs(lm, samples[i], pre, sweep))
+        if screened:  # in an earlier run: only the methods (or settings) added since
+            write(i, answer_configs(lm, samples[i], pre, [("full", 1.0)] * ("full" in missing) + sweep))
             continue
         first = answer_configs(lm, samples[i], pre, [("full", 1.0)])
         if len(full) >= SCREEN_SAMPLES:
@@ -270,12 +284,21 @@ def _run_task(lm: LoadedModel, model_name: str, task: str, L: int, pending: dict
             held = []
 
 
-def _done_methods(path: Path) -> dict[tuple, set[str]]:
-    """(model, length, task, sample) -> the methods recorded for it."""
-    done: dict[tuple, set[str]] = {}
+def _done_methods(path: Path) -> dict[tuple, set[tuple[str, str]]]:
+    """(model, length, task, sample) -> the (setting, method) pairs recorded for it."""
+    done: dict[tuple, set[tuple[str, str]]] = {}
     for r in read_records(path):
-        done.setdefault((r["model"], r["length"], r["task"], r["sample"]), set()).add(r["method"])
+        done.setdefault((r["model"], r["length"], r["task"], r["sample"]), set()).add((r.get("setting", "agnostic"),
+                                                                                      r["method"]))
     return done
+
+
+def _pending(have: set[tuple[str, str]], methods: list[str], settings: tuple[str, ...]) -> Pending | None:
+    """What a sample lacks of `methods` in `settings`: None when nothing."""
+    needed = tuple(s for s in settings if any((s, m) not in have for m in methods))
+    if not needed:
+        return None
+    return Pending([m for m in methods if any((s, m) not in have for s in needed)], needed, have)
 
 
 class _SigtermExit:
@@ -318,8 +341,9 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
     methods = list(dict.fromkeys(["full", *cfg.methods]))
     with run_clock(cfg.out / "runs.jsonl", models=cfg.models, lengths=cfg.lengths):
         for model_name in cfg.models:
-            todo = {(L, t, i): missing for L in cfg.lengths for t in cfg.tasks for i in range(cfg.samples)
-                    if (missing := [m for m in methods if m not in done.get((model_name, L, t, i), set())])}
+            todo = {(L, t, i): p for L in cfg.lengths for t in cfg.tasks for i in range(cfg.samples)
+                    if (p := _pending(done.get((model_name, L, t, i), set()), methods,
+                                      ("agnostic",) if t in PPL_TASKS else cfg.settings))}
             if not todo:
                 continue
             lm = load_model(model_name)
@@ -329,7 +353,7 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
             bar = tqdm(total=len(todo), desc=model_name, disable=not progress, unit="sample")
             for L in cfg.lengths:
                 for task in cfg.tasks:
-                    pending = {i: missing for (L2, t, i), missing in todo.items() if L2 == L and t == task}
+                    pending = {i: p for (L2, t, i), p in todo.items() if L2 == L and t == task}
                     if not pending:
                         continue
                     bar.set_postfix_str(f"{task} @ {L}")
