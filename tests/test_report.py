@@ -328,11 +328,16 @@ def test_targets_judge_the_agnostic_share_and_the_race_with_bytes():
              for r in records({"good": {0.25: p}}) if r["setting"] == "agnostic"]
     text = "\n".join(target_lines(rows, press_rows, kvmem, press, usable, quant))
     assert "with kivi-4 on top (results/quant, n=30)" in text
-    assert "hf-" not in text and "met in 1 of 2" in text and "counting kvmem's best with its best-scoring quantization" in text
+    assert "hf-" not in text and "met in 1 of 2" in text and "counting kvmem's best-scoring method with quantization" in text
     # each setting's cell counts only that setting's quant records (the suite ran agnostic alone before aware)
     aware = [dict(r, part="tasks", scheme="kivi-4", kv_bytes=100) for r in records({"good": {0.25: 0.95}})
              if r["setting"] == "aware"]
     assert "met in 2 of 2" in "\n".join(target_lines(rows, press_rows, kvmem, press, usable, quant + aware))
+    # another method's quant records count too, named on the line (the best of the table may have none yet)
+    other = [dict(r, method="other", part="tasks", scheme="kivi-2", kv_bytes=50) for r in records({"good": {0.25: 0.96}})
+             if r["setting"] == "agnostic"]
+    assert "with kivi-2 on top of other (results/quant, n=30)" in "\n".join(
+        target_lines(rows, press_rows, kvmem, press, usable, quant + other))
     unlabelled = [{k: v for k, v in r.items() if k != "setting"} for r in quant]  # records before it had settings
     assert "met in 1 of 2" in "\n".join(target_lines(rows, press_rows, kvmem, press, usable, unlabelled))
     usable_two = {("m", 1024): ["easy", "other"]}  # a quant run that has not reached every usable task does not count

@@ -90,28 +90,29 @@ FEWER_BYTES = 0.01  # "fewer bytes" means at least this fraction fewer
 
 
 def quantized_alternative(quant: list[dict], press: Scores, best: dict, setting: str, tasks: set[str]) -> dict | None:
-    """kvmem's best race method with a quantization scheme on top (the quant suite's task records: the same samples,
-    in the same setting, each cell compressing then quantizing its own copy), against kvpress's best on the samples
-    both ran. The scheme with the highest score is taken (fewer bytes breaks ties); None when there is none to pair
-    on samples of every usable task."""
+    """A kvmem method at this keep ratio with a quantization scheme on top (the quant suite's task records: the same
+    samples, in the same setting, each cell compressing then quantizing its own copy), against kvpress's best on the
+    samples both ran. Any method the quant suite ran counts, not only the best of the eviction table (a variant that
+    became the best after its quant runs has none yet); the pair with the highest score is taken (fewer bytes breaks
+    ties); None when there is none to pair on samples of every usable task."""
     k, p = best["kvmem"], best["kvpress"]
-    cells: dict[str, dict[tuple, dict]] = defaultdict(dict)
+    cells: dict[tuple[str, str], dict[tuple, dict]] = defaultdict(dict)
     for r in quant:
         if r.get("part") != "tasks" or r["scheme"] == "full" or r["scheme"].startswith("hf-"):  # hf-*: transformers' caches
             continue
         if r.get("setting", "agnostic") != setting:  # records before the quant suite ran aware were all agnostic
             continue
-        if (r["model"], r["length"], r["method"], r["keep_ratio"]) == (best["model"], best["length"], k["method"],
-                                                                      best["keep_ratio"]) and r["task"] in tasks:
-            cells[r["scheme"]][(r["task"], r["sample"])] = r
+        if (r["model"], r["length"], r["keep_ratio"]) == (best["model"], best["length"], best["keep_ratio"]) \
+                and r["task"] in tasks:
+            cells[(r["method"], r["scheme"])][(r["task"], r["sample"])] = r
     theirs = press.samples(best["model"], best["length"], setting, p["method"], best["keep_ratio"], tasks)
     options = []
-    for scheme, ours in cells.items():
+    for (method, scheme), ours in cells.items():
         common = sorted(set(ours) & set(theirs))
         diff = paired(ours, theirs)
         if diff is None or {c[0] for c in common} != tasks:  # a run stopped before every usable task: another mix
             continue
-        options.append(dict(scheme=scheme, diff=diff, common=len(common),
+        options.append(dict(method=method, scheme=scheme, diff=diff, common=len(common),
                             score=statistics.fmean(ours[c]["score"] for c in common),
                             kv_bytes=statistics.fmean(ours[c]["kv_bytes"] for c in common),
                             press_bytes=statistics.fmean(theirs[c]["kv_bytes"] for c in common)))
@@ -156,7 +157,8 @@ def target_lines(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, 
             if q:
                 q_ok = q["diff"].estimate >= 0 and q["kv_bytes"] < (1 - FEWER_BYTES) * q["press_bytes"]
                 ok = q_ok
-                line += (f"; with {q['scheme']} on top (results/quant, n={q['common']}): {fmt_interval(q['diff'])} "
+                of = "" if q["method"] == b["kvmem"]["method"] else f" of {q['method']}"
+                line += (f"; with {q['scheme']} on top{of} (results/quant, n={q['common']}): {fmt_interval(q['diff'])} "
                          f"({'significant' if q['diff'].significant else 'not significant'}), {mib(q['kv_bytes'])} "
                          f"against {mib(q['press_bytes'])} MiB: {'met' if q_ok else 'not met'}")
             total += ok
@@ -165,8 +167,8 @@ def target_lines(kvmem_rows: list[dict], press_rows: list[dict], kvmem: Scores, 
         head.append(f"* **kvmem's best >= kvpress's best at keep {' and '.join(f'{r:g}' for r in RACE_TARGET_RATIOS)}, "
                     f"with fewer bytes held** (paired estimate >= 0; bytes at least {FEWER_BYTES:.0%} fewer): met in "
                     f"{total} of {len(race)} (model, length, "
-                    "setting, keep) cells" + (", counting kvmem's best with its best-scoring quantization on top (results/quant) "
-                                              "where it alone does not meet it"
+                    "setting, keep) cells" + (", counting kvmem's best-scoring method with quantization on top (results/quant) "
+                                              "where its best alone does not meet it"
                                               if quant else ""))
     return [*(head[:1] + lines if met else []), *head[1:], *race, ""]  # no usable task: no share to judge
 
