@@ -95,7 +95,7 @@ def quantized_alternative(quant: list[dict], press: Scores, best: dict, setting:
     samples both ran. Any method the quant suite ran counts, not only the best of the eviction table (a variant that
     became the best after its quant runs has none yet); the pair with the highest score is taken (fewer bytes breaks
     ties); None when there is none to pair on samples of every usable task."""
-    k, p = best["kvmem"], best["kvpress"]
+    p = best["kvpress"]
     cells: dict[tuple[str, str], dict[tuple, dict]] = defaultdict(dict)
     for r in quant:
         if r.get("part") != "tasks" or r["scheme"] == "full" or r["scheme"].startswith("hf-"):  # hf-*: transformers' caches
