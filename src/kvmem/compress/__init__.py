@@ -74,8 +74,8 @@ def get_method(spec: str, **options) -> Method:
                          "signed; use it with a scorer of attention mass (h2o, snapkv, tova, vatp, expected-attention, "
                          "kvzip, ...)")
     if budget == "global" and method.signed_scores:
-        # the scale of a key-geometry score moves with depth: on Gemma-3 8k, keydiff:kernel_size=33:budget=global
-        # gave layer 17 every row and layers 5 and 11 one each, and answered 0 of 30 (README, "Of note")
+        # the scale of a key-geometry score moves with depth: on a Gemma-3 2k context keydiff:kernel_size=33:budget=global
+        # gave layer 17 1534 of 1536 rows and layers 5 and 11 one each; at 8k it answered 0 of 30 (README, "Of note")
         raise KVMemError(f"budget=global ranks the tokens of every layer on one scale, and {name}'s scores (signed, "
                          "from key geometry) are not comparable across layers; use budget=pyramid or adaptive, or a "
                          "scorer of attention mass (h2o, snapkv, tova, vatp, expected-attention, kvzip, ...)")
