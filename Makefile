@@ -104,6 +104,8 @@ bench-quant: setup
 	$(KVMEM) eval --suite quant --models smollm2-135m --lengths 4096 --quant kivi-4,mikv --parts tasks --methods kvzip --ratios 0.1 --samples 10 --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 4096 --quant kivi-4 --parts tasks --methods keydiff:kernel_size=33:budget=pyramid:sliding=keep --ratios 0.25,0.1 --samples 10 --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 8192 --quant kivi-4 --parts tasks --methods keydiff:kernel_size=33:budget=pyramid:sliding=keep --ratios 0.25,0.1 --samples 10 --threads 1 --out results/quant
+	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 4096 --quant kivi-4 --parts tasks --methods keydiff:kernel_size=17:budget=pyramid:sliding=keep --ratios 0.25,0.1 --samples 10 --settings agnostic,aware --threads 1 --out results/quant
+	$(KVMEM) eval --suite quant --models gemma3-270m --lengths 8192 --quant kivi-4 --parts tasks --methods keydiff:kernel_size=17:budget=pyramid:sliding=keep --ratios 0.25,0.1 --samples 10 --settings agnostic,aware --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models qwen2.5-coder-0.5b --lengths 2048 --quant kivi-4,mikv --parts tasks --methods kvzip --ratios 0.1 --samples 10 --threads 1 --out results/quant
 	$(KVMEM) eval --suite quant --models qwen2.5-coder-0.5b --lengths 2048 --quant kivi-4,mikv --parts tasks --methods snapkv,snapkv:budget=cokv --ratios 0.25,0.1 --samples 10 --settings aware --threads 1 --out results/quant
 	$(PY) -m kvmem_bench.readme quant
