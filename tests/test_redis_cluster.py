@@ -18,6 +18,7 @@ from kvmem.generate import answer
 from kvmem.prompts import build_prompt
 from kvmem.serve.local import LocalServer
 from kvmem.store import ChunkStore, StoreWarning
+from kvmem.store.store import READ_AHEAD
 from kvmem.store.tiers import MemoryTier, NodeDown, RedisClusterTier, Tier, parse_stack
 from test_store import OPS, apply_store_ops
 
@@ -126,7 +127,9 @@ def test_a_node_killed_mid_request_then_restarted(smollm2, redis_cluster):
     keys = ChunkStore([tier], chunk_size=CHUNK).keys(lm, prompt.ids)
     owners = [tier.client().get_node_from_key(f"kvmem:{k}").name for k in keys]
     loadable = warm_reuse(lm) // CHUNK  # the chunks a warm run loads
-    dead = next(o for o in owners[:loadable] if o != owners[0])  # not the first chunk's node: that one is read first
+    # a node none of the first READ_AHEAD chunks is on: open_run reads those at once, so one of them could still
+    # arrive after the kill that the first read triggers; any later chunk is read after it
+    dead = next(o for o in owners[:loadable] if owners.index(o) >= READ_AHEAD)
     node = [f"127.0.0.1:{p}" for p in cluster.ports].index(dead)
     first_dead = owners.index(dead)
     store = ChunkStore([KillsANode(tier, cluster, node)], chunk_size=CHUNK)
