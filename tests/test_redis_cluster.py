@@ -129,7 +129,8 @@ def test_a_node_killed_mid_request_then_restarted(smollm2, redis_cluster):
     loadable = warm_reuse(lm) // CHUNK  # the chunks a warm run loads
     # a node none of the first READ_AHEAD chunks is on: open_run reads those at once, so one of them could still
     # arrive after the kill that the first read triggers; any later chunk is read after it
-    dead = next(o for o in owners[:loadable] if owners.index(o) >= READ_AHEAD)
+    dead = next((o for o in owners[:loadable] if owners.index(o) >= READ_AHEAD), None)
+    assert dead is not None, f"no node holds a loadable chunk past the first {READ_AHEAD} only: {owners[:loadable]}"
     node = [f"127.0.0.1:{p}" for p in cluster.ports].index(dead)
     first_dead = owners.index(dead)
     store = ChunkStore([KillsANode(tier, cluster, node)], chunk_size=CHUNK)
