@@ -414,3 +414,20 @@ def test_race_runs_finchpress_as_kvpress_own_flow_does(tmp_path):
     result = subprocess.run([*run, "--out", str(tmp_path / "raw.jsonl")], env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True)
     assert result.returncode != 0 and "finch needs the sample's query_window" in result.stderr
+
+
+def test_catalog_is_judged_against_the_earlier_best_paired():
+    from kvmem_bench.longctx.report import catalog_lines, in_catalog
+
+    assert in_catalog("finch") and in_catalog("dapq:sliding=keep") and in_catalog("snapkv:budget=cokv")
+    assert not in_catalog("snapkv") and not in_catalog("snapkv:budget=pyramid") and not in_catalog("keydiff:kernel_size=33")
+    scores = Scores(records({"full": {1.0: 0.95}, "snapkv": {0.5: 0.5, 0.25: 0.4}, "finch": {0.5: 0.9, 0.25: 0.45},
+                             "snapkv:budget=cokv": {0.5: 0.45, 0.25: 0.1}}))
+    usable = usable_tasks(full_cache(scores))
+    lines = catalog_lines(summary_rows(scores, usable), scores, usable)
+    rows = {tuple(c.strip() for c in line.split("|")[2:4]): line for line in lines if line.startswith("| m @ 1024")}
+    assert set(rows) == {(s, k) for s in ("agnostic", "aware") for k in ("0.5", "0.25")}
+    assert "| snapkv 0." in rows[("agnostic", "0.5")] and "| finch 0." in rows[("agnostic", "0.5")]
+    assert "catalog above" in rows[("agnostic", "0.5")] and "finch 0.4" in rows[("agnostic", "0.5")].split("|")[-2]
+    assert "no difference" in rows[("agnostic", "0.25")]  # 0.45 against 0.4 on 30 samples
+    assert catalog_lines(summary_rows(Scores(records(METHODS)), usable), Scores(records(METHODS)), usable) == []

@@ -32,11 +32,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kvmem_bench.longctx.cost import COSTLY_FIRST, cost_lines, prefill_lines, runs_model  # noqa: E402
 from kvmem_bench.longctx.race_tables import pareto_plot, race_settings, race_tables, target_lines  # noqa: E402
 from kvmem_bench.longctx.scores import (FULL_CACHE_MIN, MEAN, PAIRED_MIN_SAMPLES, RACE_MIN_SAMPLES, SETTINGS,  # noqa: E402
-                                        SHARED, cell_text, fmt_interval, headline, summaries)
+                                        SHARED, Scores, cell_text, fmt_interval, headline, paired, summaries)
 from kvmem_bench.records import read_records  # noqa: E402
 
 FIRST_METHODS = ("full", "h2o", "knorm", "random", "snapkv", "streaming-llm", "tova")  # the suite the goal was set for
 FIRST_PRESSES = ("full", *(SHARED[m] for m in FIRST_METHODS if m in SHARED))  # kvpress's side of it
+# issue 35's catalog: its scorers, and its allocators (`scorer:budget=NAME`; fastgen sizes its heads itself)
+CATALOG_SCORERS = ("keyformer", "vatp", "rcstat", "dapq", "finch", "moment-kv", "kvcrush", "subgen", "attention-matching",
+                   "fastgen")
+CATALOG_BUDGETS = ("prefixkv", "cokv")
 BENCH_COMMANDS_NOTE = "See the Makefile's `bench` and `race` targets for the exact commands."
 
 
@@ -71,6 +75,63 @@ def _plot(rows: list[dict], model: str, length: int, out: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def in_catalog(method: str) -> bool:
+    """Whether a method spec is one of issue 35's catalog (a catalog scorer, or any scorer on a catalog allocator)."""
+    name, *options = method.split(":")
+    return name in CATALOG_SCORERS or any(o in (f"budget={b}" for b in CATALOG_BUDGETS) for o in options)
+
+
+def catalog_lines(rows: list[dict], kvmem: Scores, usable: dict[tuple, list[str]]) -> list[str]:
+    """Issue 35's catalog against kvmem's earlier methods, per model x length x setting x keep ratio: the best of
+    each (among methods run on every sample of the cell) and their paired difference, plus every catalog method
+    significantly above the earlier best."""
+    index = defaultdict(dict)  # (model, length, setting, ratio) -> method -> mean row
+    for r in rows:
+        if r["task"] == MEAN and r["library"] == "kvmem" and r["method"] != "full" and r["complete"]:
+            index[(r["model"], r["length"], r["setting"], r["keep_ratio"])][r["method"]] = r
+    lines = []
+    for key in sorted(index):
+        cell = index[key]
+        new = {m: r for m, r in cell.items() if in_catalog(m)}
+        old = {m: r for m, r in cell.items() if not in_catalog(m)}
+        if not new or not old:
+            continue
+        best_new = max(new, key=lambda m: new[m]["score"])  # ties: the method listed first
+        best_old = max(old, key=lambda m: old[m]["score"])
+        model, length, setting, ratio = key
+        tasks = set(usable[(model, length)])
+
+        def sample(m):
+            return kvmem.samples(model, length, setting, m, ratio, tasks)
+
+        diff = paired(sample(best_new), sample(best_old))
+        above = []
+        for m in new:
+            d = paired(sample(m), sample(best_old))
+            if d is not None and d.significant and d.estimate > 0:
+                above.append(f"{m} {fmt_interval(d)}")
+        n = len(set(sample(best_new)) & set(sample(best_old)))
+        verdict = "–" if diff is None else ("catalog above" if diff.significant and diff.estimate > 0 else
+                                            "catalog below" if diff.significant else "no difference")
+        lines.append(f"| {model} @ {length} | {setting} | {ratio:g} | {best_old} {_score(old[best_old])} | "
+                     f"{best_new} {_score(new[best_new])} | {'–' if diff is None else fmt_interval(diff)} (n={n}) | "
+                     f"{verdict} | {'; '.join(above) or '–'} |")
+    if not lines:
+        return []
+    return ["## Issue 35's catalog against kvmem's earlier methods", "",
+            f"Catalog: the scorers {', '.join(CATALOG_SCORERS)} (any options), and any scorer with `budget=` "
+            f"{' or '.join(CATALOG_BUDGETS)}. Per cell, the best catalog method against the best earlier one (each "
+            "chosen on the cell's own samples among methods run on all of them), their paired difference "
+            "(catalog − earlier, stratified by task, 95% CI), and every catalog method significantly above the earlier "
+            "best. Choosing each side's best on the samples it is judged on favours both sides alike.", "",
+            "| model | setting | keep | earlier best | catalog best | catalog − earlier | verdict | catalog methods above the earlier best |",
+            "|---|---|---|---|---|---|---|---|", *lines, ""]
+
+
+def _score(row: dict) -> str:
+    return f"{row['score']:.2f} [{row['lo']:.2f}, {row['hi']:.2f}]"
 
 
 def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None = None,
@@ -135,6 +196,7 @@ def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None
         plot = _plot(rows, model, length, out)
         if plot:
             lines += [f"![score vs KV kept, {model} @ {length}]({plot.name})", ""]
+    lines += catalog_lines(rows, kvmem, usable)
     lines += ["## The race against kvpress", "",
               "The same prompts (token ids exported once) through kvpress's presses in its own virtualenv "
               "(`make race`); outputs are scored by the same function. kvmem's best and kvpress's best per keep ratio, "
