@@ -272,6 +272,8 @@ def readme_block(results: Path = Path("results")) -> str | None:
         "and memory, per-task scores and plots: [results/longctx/report.md](results/longctx/report.md).",
         "",
         *headline(rows, usable, full),
+        *[line.replace("## ", "**", 1) + "**" if line.startswith("## ") else line
+          for line in catalog_lines(rows, kvmem, usable)],
         *race_lines,
         README_MARKERS[1],
     ])
