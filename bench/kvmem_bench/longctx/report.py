@@ -34,6 +34,7 @@ from kvmem_bench.longctx.race_tables import pareto_plot, race_settings, race_tab
 from kvmem_bench.longctx.scores import (FULL_CACHE_MIN, MEAN, PAIRED_MIN_SAMPLES, RACE_MIN_SAMPLES, SETTINGS,  # noqa: E402
                                         SHARED, Scores, cell_text, fmt_interval, headline, paired, summaries)
 from kvmem_bench.records import read_records  # noqa: E402
+from kvmem_bench.stats import Interval  # noqa: E402
 
 FIRST_METHODS = ("full", "h2o", "knorm", "random", "snapkv", "streaming-llm", "tova")  # the suite the goal was set for
 FIRST_PRESSES = ("full", *(SHARED[m] for m in FIRST_METHODS if m in SHARED))  # kvpress's side of it
@@ -115,8 +116,9 @@ def catalog_lines(rows: list[dict], kvmem: Scores, usable: dict[tuple, list[str]
         n = len(set(sample(best_new)) & set(sample(best_old)))
         verdict = "–" if diff is None else ("catalog above" if diff.significant and diff.estimate > 0 else
                                             "catalog below" if diff.significant else "no difference")
-        lines.append(f"| {model} @ {length} | {setting} | {ratio:g} | {best_old} {_score(old[best_old])} | "
-                     f"{best_new} {_score(new[best_new])} | {'–' if diff is None else fmt_interval(diff)} (n={n}) | "
+        old_iv, new_iv = (fmt_interval(Interval(r["score"], r["lo"], r["hi"])) for r in (old[best_old], new[best_new]))
+        lines.append(f"| {model} @ {length} | {setting} | {ratio:g} | {best_old} {old_iv} | {best_new} {new_iv} | "
+                     f"{'–' if diff is None else fmt_interval(diff)} (n={n}) | "
                      f"{verdict} | {'; '.join(above) or '–'} |")
     if not lines:
         return []
@@ -128,10 +130,6 @@ def catalog_lines(rows: list[dict], kvmem: Scores, usable: dict[tuple, list[str]
             "best. Choosing each side's best on the samples it is judged on favours both sides alike.", "",
             "| model | setting | keep | earlier best | catalog best | catalog − earlier | verdict | catalog methods above the earlier best |",
             "|---|---|---|---|---|---|---|---|", *lines, ""]
-
-
-def _score(row: dict) -> str:
-    return f"{row['score']:.2f} [{row['lo']:.2f}, {row['hi']:.2f}]"
 
 
 def write_report(out: Path, race_dir: Path | None = None, speed_dir: Path | None = None,
