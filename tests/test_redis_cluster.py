@@ -225,14 +225,19 @@ def test_a_slot_without_a_node_is_a_miss_until_the_slot_map_has_it_again(redis_c
         assert store.get_bytes(key)[0] == b"chunk"  # DELSLOTS keeps the keys; the refreshed map finds the node
 
 
-def test_kvmem_serve_takes_a_cluster_store(redis_cluster):
+def test_kvmem_serve_takes_a_cluster_store(redis_cluster, tmp_path):
+    redis_cluster.wait_agreed()  # the tests before may have restarted a node or moved a slot
     flush(redis_cluster)
+    log = tmp_path / "serve.log"  # the server's StoreWarnings, should a write fail
     with LocalServer(["--store", f"memory,{redis_cluster.url}", "--chunk-size", "16", "--threads", "1",
-                      "--no-batching"]) as server:
+                      "--no-batching"], log=log) as server:
         health = httpx.get(server.url + "/health").json()
         assert f"ChunkStore(memory,{redis_cluster.url}," in health["store"]
         chat = {"model": "smollm2-135m", "messages": [{"role": "user", "content": CONTEXT + " " + QUESTION}],
                 "temperature": 0, "max_tokens": 4}
         r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
         assert r.status_code == 200, r.text
-    assert sum(redis_cluster.keys_per_node()) >= 1  # the server wrote its chunks to the cluster
+        events = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+                  if line.startswith("kvmem_store_events")]
+    # the server wrote its chunks to the cluster
+    assert sum(redis_cluster.keys_per_node()) >= 1, f"{events}\n{log.read_text()[-3000:]}"

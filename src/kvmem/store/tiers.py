@@ -547,6 +547,18 @@ class LocalRedisCluster:
     def _wait_ok(self, i: int) -> None:
         self._wait(i, lambda r: r.cluster("INFO").get("cluster_state") == "ok", "did not report cluster_state:ok")
 
+    def wait_agreed(self, seconds: float = 30.0) -> None:
+        """Return once every node reports cluster_state:ok and sees every other node connected and not failed (after
+        a restart the others may still flag the node `fail?`/`fail`, or have no link to it, for a while)."""
+        def agreed(r) -> bool:
+            if r.cluster("INFO").get("cluster_state") != "ok":
+                return False
+            nodes = r.execute_command("CLUSTER NODES").values()  # redis-py parses it: one dict per node
+            return len(nodes) == len(self.ports) and all("fail" not in n["flags"] and n["connected"] for n in nodes)
+
+        for i in range(len(self.ports)):
+            self._wait(i, agreed, "did not see every node connected and not failed", seconds)
+
     def start(self) -> LocalRedisCluster:
         import subprocess
 
@@ -561,8 +573,7 @@ class LocalRedisCluster:
             done = subprocess.run(create, capture_output=True, text=True, timeout=60)
             if done.returncode != 0:
                 raise KVMemError(f"redis-cli --cluster create failed: {(done.stdout + done.stderr).strip()[-500:]}")
-            for i in range(len(self.ports)):
-                self._wait_ok(i)
+            self.wait_agreed()
         except BaseException:
             self.stop()
             raise
@@ -577,10 +588,12 @@ class LocalRedisCluster:
 
     def restart(self, node: int) -> None:
         """Start a killed node again on its port and config file; returns once it says cluster_state:ok (a restarted
-        primary waits about 2 s before it serves, so that the cluster can reconfigure it first)."""
+        primary waits about 2 s before it serves, so that the cluster can reconfigure it first) and every node sees it
+        connected and not failed."""
         self.kill(node)
         self._spawn(node)
         self._wait_ok(node)
+        self.wait_agreed()
 
     def stop(self) -> None:
         import shutil
