@@ -37,7 +37,8 @@ test: setup redis
 # already done, nothing else is recomputed).
 BASE_METHODS := full,random,streaming-llm,h2o,snapkv,tova,knorm
 AGNOSTIC_METHODS := kvzip,kvzip-head,expected-attention,expected-attention:budget=adaptive,keydiff,q-filters,curdkv
-# Issue 35's catalog (rcstat is left out until it is checked against its paper). attention-matching runs apart, on 10
+# Issue 35's catalog (rcstat is left out until it is checked against its paper; its SmolLM2 2k records were run by
+# hand, README "Coverage"). attention-matching runs apart, on 10
 # samples of one task and one ratio: its faithful fit takes ~215 s a compression at 2k and scored 0 of 10 there
 # (README, "Of note"); its `queries=window` form ran the suite and is kept in the records under that name.
 CATALOG_METHODS := vatp,vatp:source=window,dapq,snapkv:budget=prefixkv,fastgen,snapkv:budget=cokv,kvcrush,finch,keyformer,subgen
