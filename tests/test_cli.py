@@ -42,6 +42,7 @@ def test_methods_lists_compression_and_embedding_methods():
         (["serve", "--store", "memory,redis+cluster://127.0.0.1:7000,127.0.0.1"], "'127.0.0.1' is not host:port"),
         (["generate", "--prompt", "hi", "--store", "memory", "--codec", "zip"], "unknown codec 'zip'"),
         (["eval", "--tasks", "niah-42"], "unknown task 'niah-42'"),
+        (["eval", "--samples", "3", "--first-sample", "3"], "--first-sample must be in [0, --samples) = [0, 3)"),
         (["eval", "--ratios", "0.5,abc"], "comma-separated list of float"),
         (["eval", "--lengths", "99999", "--tasks", "passkey"], "longer than smollm2-135m allows"),
         (["eval", "--methods", "moment-kv"], "`kvmem eval --suite longgen`"),
@@ -114,6 +115,13 @@ def test_eval_writes_results_report_and_plot(tmp_path):
         new = again[before:]
         assert {(r["task"], r["setting"]) for r in new} == want and {r["method"] for r in new} == {"tova"}
         assert len(new) == 2 * len(want)  # 2 samples each, one ratio below 1
+    # --first-sample: a second process takes samples 2.. of the same tasks; 0 and 1 are not touched
+    before = len(again)
+    result = run("eval", "--lengths", "512", "--samples", "3", "--first-sample", "2", "--tasks", "fact-single",
+                 "--methods", "full,knorm", "--ratios", "1.0,0.5", "--settings", "agnostic", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    new = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()][before:]
+    assert {(r["sample"], r["method"]) for r in new} == {(2, "full"), (2, "knorm")}
     if any(r["task"] == "mean" for r in rows):  # the model answered with its full cache: there is a headline
         assert list(tmp_path.glob("score_vs_kept_*.png"))
 

@@ -67,6 +67,7 @@ def eval_(
     ratios: str = typer.Option(RATIOS_DEFAULT, help="Comma-separated keep ratios (rag: recompute ratios, default 0.15)."),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks (retrieval: sets) (default: all)."),
     samples: int = typer.Option(3, help="Samples per task and length."),
+    first_sample: int = typer.Option(0, help="longctx: start at this sample (--first-sample 15 --samples 30 runs samples 15-29), so that two 1-thread processes can split one task; screening then reads the first samples recorded."),
     seed: int = typer.Option(0, help="Seed of the generated samples."),
     out: Optional[Path] = typer.Option(None, help="Output folder (default results/SUITE): results.json, report.md, plots."),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default). Two 1-thread runs can beat one 2-thread run."),
@@ -203,12 +204,12 @@ def eval_(
     from kvmem_bench.longctx.runner import ALL_TASKS, EvalConfig, run
 
     if suite != "longctx":
-        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag, serve, batching, longgen")
+        raise KVMemError(f"unknown suite {suite!r}; available: longctx, retrieval, speed, quant, reuse, rag, serve, batching, longgen, kvdirect")
     cfg = EvalConfig(
         models=_csv(models), lengths=_csv(lengths, int),
         tasks=_csv(tasks) if tasks else list(ALL_TASKS),
         methods=_csv(methods) if methods else [m for m in METHODS if not METHODS[m].decode_phase],
-        ratios=_csv(ratios, float), samples=samples, seed=seed, out=out, raw_prompt=raw_prompt,
+        ratios=_csv(ratios, float), samples=samples, first_sample=first_sample, seed=seed, out=out, raw_prompt=raw_prompt,
         settings=tuple(_csv(eval_settings or "agnostic,aware")),
     )
     path = run(cfg)

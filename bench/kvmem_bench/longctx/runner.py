@@ -67,6 +67,7 @@ class EvalConfig:
     methods: list[str] = field(default_factory=lambda: [m for m in METHODS if not METHODS[m].decode_phase])
     ratios: list[float] = field(default_factory=lambda: list(DEFAULT_RATIOS))
     samples: int = 3
+    first_sample: int = 0  # run samples first_sample..samples-1: two processes can split one task by samples
     seed: int = 0
     out: Path = Path("results/longctx")
     raw_prompt: bool = False  # no chat template (base models)
@@ -86,6 +87,8 @@ class EvalConfig:
                 raise KVMemError(f"keep ratio must be in (0, 1]; got {r}")
         if self.samples < 1:
             raise KVMemError("--samples must be at least 1")
+        if not 0 <= self.first_sample < self.samples:
+            raise KVMemError(f"--first-sample must be in [0, --samples) = [0, {self.samples}); got {self.first_sample}")
         if not self.settings or set(self.settings) - set(SETTINGS):
             raise KVMemError(f"--settings: choose among {', '.join(SETTINGS)}; got {', '.join(self.settings) or 'none'}")
 
@@ -341,7 +344,8 @@ def run(cfg: EvalConfig, progress: bool = True) -> Path:
     methods = list(dict.fromkeys(["full", *cfg.methods]))
     with run_clock(cfg.out / "runs.jsonl", models=cfg.models, lengths=cfg.lengths):
         for model_name in cfg.models:
-            todo = {(L, t, i): p for L in cfg.lengths for t in cfg.tasks for i in range(cfg.samples)
+            todo = {(L, t, i): p for L in cfg.lengths for t in cfg.tasks
+                    for i in range(cfg.first_sample, cfg.samples)
                     if (p := _pending(done.get((model_name, L, t, i), set()), methods,
                                       ("agnostic",) if t in PPL_TASKS else cfg.settings))}
             if not todo:
