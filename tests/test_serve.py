@@ -146,6 +146,20 @@ def test_a_decode_phase_method_per_request(client):
     assert a.choices[0].message.content and a.model_extra["kvmem"]["method"] == "moment-kv:decode_budget=4"
 
 
+# issue 35's catalog, per request: every scorer and allocator that fits nothing first (cokv fits Shapley values on
+# first use, minutes: tests/test_cokv.py; attention-matching's least-squares fit: tests/test_attention_matching.py)
+@pytest.mark.parametrize("method", ["keyformer", "vatp", "rcstat", "dapq", "finch", "kvcrush", "subgen", "fastgen",
+                                    "snapkv:budget=prefixkv", "attention-matching:queries=window"])
+def test_a_catalog_method_per_request(client, method):
+    messages = [{"role": "system", "content": system_prompt(2)}, {"role": "user", "content": "Name the first method."}]
+    body = {"kvmem": {"method": method, "keep_ratio": 0.5, "use_store": False}}
+    a = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4, extra_body=body)
+    info = a.model_extra["kvmem"]
+    assert info["method"] == method and info["kv_bytes"] < 0.7 * info["kv_bytes_full"]
+    # the answer is whatever the compressed cache gives (subgen's sampled values end it at once: it scores ~0 in the suite)
+    assert a.choices[0].finish_reason in ("stop", "length") and a.choices[0].message.content is not None
+
+
 def test_an_offload_policy_per_request(client):
     """sparq keeps the context in its tier and retrieves while the server decodes: the resident bytes reported (its
     working set at its peak, the retrieved rows included) are about the keep ratio of the full cache's, and the answer
