@@ -43,6 +43,7 @@ def test_methods_lists_compression_and_embedding_methods():
         (["generate", "--prompt", "hi", "--store", "memory", "--codec", "zip"], "unknown codec 'zip'"),
         (["eval", "--tasks", "niah-42"], "unknown task 'niah-42'"),
         (["eval", "--samples", "3", "--first-sample", "3"], "--first-sample must be in [0, --samples) = [0, 3)"),
+        (["eval", "--suite", "quant", "--first-sample", "2"], "--first-sample is for the longctx suite only"),
         (["eval", "--ratios", "0.5,abc"], "comma-separated list of float"),
         (["eval", "--lengths", "99999", "--tasks", "passkey"], "longer than smollm2-135m allows"),
         (["eval", "--methods", "moment-kv"], "`kvmem eval --suite longgen`"),

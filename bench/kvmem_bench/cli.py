@@ -100,6 +100,8 @@ def eval_(
 
     if threads:
         torch.set_num_threads(threads)
+    if first_sample and suite != "longctx":  # the other suites have no sample range: refuse, do not run them all
+        raise KVMemError(f"--first-sample is for the longctx suite only; got --suite {suite}")
     if suite == "retrieval":
         from kvmem.embed import EMBEDDERS
         from kvmem_bench.retrieval.runner import run_retrieval
